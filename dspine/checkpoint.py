@@ -1,0 +1,153 @@
+"""Drafter checkpoints: `config.json` + `model.safetensors`, in DFlash's field names plus `dspine_config`.
+
+    {"architectures": ["DSpineDraftModel"], "model_type": "qwen3", "hidden_size": ..., "block_size": 16,
+     "num_target_layers": 30, "is_causal": false,
+     "dflash_config": {"mask_token_id": 0, "target_layer_ids": [...]},
+     "dspine_config": {"method": "dspine", "transfer_rank": 256, "message_size": 256, "top_k": 8}}
+
+Loading is strict: unknown keys, missing or unexpected weights, mismatched shapes and unreadable files are
+errors that name the problem. Only safetensors are read (no pickle). Saving writes a temp folder and
+renames it into place, so a crash never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import ConfigError, from_dict
+from .drafter import DSpineConfig, DSpineDraftModel
+
+ARCH = "DSpineDraftModel"
+_TOP = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "vocab_size", "num_target_layers", "num_hidden_layers", "rms_norm_eps", "rope_theta",
+        "max_position_embeddings", "block_size", "is_causal")
+_DFLASH = ("mask_token_id", "target_layer_ids")
+_DSPINE = ("method", "transfer_rank", "message_size", "top_k")
+_FIXED = {"architectures": [ARCH], "model_type": "qwen3", "hidden_act": "silu", "attention_bias": False,
+          "tie_word_embeddings": False}
+_IGNORED = ("torch_dtype", "dtype", "transformers_version", "_name_or_path", "auto_map", "layer_types",
+            "use_sliding_window", "sliding_window", "max_window_layers", "attention_dropout", "initializer_range",
+            "rope_scaling", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id")
+assert set(_TOP + _DFLASH + _DSPINE) == {f.name for f in fields(DSpineConfig)}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint dspine cannot load."""
+
+
+def config_to_json(cfg: DSpineConfig, dtype: torch.dtype = torch.float32) -> dict:
+    out = dict(_FIXED)
+    out.update({k: getattr(cfg, k) for k in _TOP})
+    out["dflash_config"] = {k: getattr(cfg, k) for k in _DFLASH}
+    out["dspine_config"] = {k: getattr(cfg, k) for k in _DSPINE}
+    out["torch_dtype"] = str(dtype).replace("torch.", "")
+    return out
+
+
+def config_from_json(data: dict) -> DSpineConfig:
+    data = dict(data)
+    arch = data.pop("architectures", [ARCH])
+    if arch != [ARCH]:
+        raise CheckpointError(f"architectures is {arch}, expected [{ARCH!r}]")
+    for k, v in _FIXED.items():
+        if k in data and k != "architectures" and data.pop(k) != v:
+            raise CheckpointError(f"{k} must be {v!r} for a DSpine drafter")
+    for k in _IGNORED:
+        data.pop(k, None)
+    flat = {k: data.pop(k) for k in _TOP if k in data}
+    for section, keys in (("dflash_config", _DFLASH), ("dspine_config", _DSPINE)):
+        sec = data.pop(section, {}) or {}
+        unknown = sorted(set(sec) - set(keys))
+        if unknown:
+            raise CheckpointError(f"config.json: unknown key(s) {unknown} in {section}")
+        flat.update(sec)
+    if data:
+        raise CheckpointError(f"config.json: unknown key(s) {sorted(data)}")
+    try:
+        return from_dict(DSpineConfig, flat, "config.json")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def save_drafter(model: DSpineDraftModel, path: str | Path, extra: dict | None = None) -> Path:
+    """Write `path/config.json` and `path/model.safetensors` atomically (temp folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(path.parent, os.W_OK):
+        raise CheckpointError(f"cannot write a checkpoint under {path.parent}: permission denied")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        dtype = next(iter(state.values())).dtype
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = config_to_json(model.config, dtype)
+        if extra:
+            cfg["dspine_training"] = extra
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_config(path: str | Path) -> DSpineConfig:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (not a drafter checkpoint)")
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    data.pop("dspine_training", None)
+    return config_from_json(data)
+
+
+def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> DSpineDraftModel:
+    """Load a checkpoint; with `target`, check it was built for it and bind the target's embedding/head."""
+    path = Path(path)
+    cfg = read_config(path)
+    wfile = path / "model.safetensors"
+    if not wfile.is_file():
+        others = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        hint = f" (found {others}: only safetensors are loaded)" if others else ""
+        raise CheckpointError(f"{path}: no model.safetensors{hint}")
+    try:
+        state = load_file(str(wfile))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{wfile}: unreadable safetensors file ({e})") from None
+    model = DSpineDraftModel(cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{wfile}: weights do not match the config (missing {missing[:6]}, "
+                              f"unexpected {extra[:6]})")
+    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+           if tuple(state[k].shape) != tuple(v.shape)]
+    if bad:
+        raise CheckpointError(f"{wfile}: weight shapes do not match the config: {bad[:4]}")
+    model.load_state_dict(state, strict=True)
+    model = model.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+    if target is not None:
+        try:
+            model.bind(target)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    return model.eval()

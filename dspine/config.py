@@ -1,0 +1,140 @@
+"""Typed configs: dataclasses built from dicts that reject unknown keys, plus dotted overrides.
+
+Every config in dspine (drafter, training, evaluation, serving) is a dataclass read through
+`from_dict`, so a typo in a JSON file or on the command line is an error that names the key
+instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value or key that dspine cannot accept."""
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: {value!r} fits none of {tp}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str, float)):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            f = float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+        if f != int(f):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(f)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: dict, where: str | None = None) -> T:
+    """Build dataclass `cls` from `data`; unknown keys and ill-typed values raise ConfigError."""
+    where = where or cls.__name__
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a missing required field
+        raise ConfigError(f"{where}: {e}") from None
+    check = getattr(obj, "validate", None)
+    if check is not None:
+        check()
+    return obj
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (values parsed as JSON when they parse, else kept as strings)."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        path, raw = item.split("=", 1)
+        keys = [k for k in path.strip().split(".") if k]
+        if not keys:
+            raise ConfigError(f"override {item!r} has an empty key")
+        node = out
+        for k in keys[:-1]:
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {k!r} is not a section")
+            node = nxt
+        node[keys[-1]] = _parse_scalar(raw)
+    return out

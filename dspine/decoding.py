@@ -1,0 +1,108 @@
+"""From a drafter forward to a proposed block: independent per-slot choice (DFlash) or the transition
+cache + left-to-right walk (DSpine, post-backbone). These are the eager references for
+kernels/transition.py.
+
+Transition cache: keep h_pre_t (slot t before the last layer's write) and f_t (its last-layer readout).
+Candidates C_t = top-K of slot t's unconditioned logits. For every slot t >= 2 and predecessor a in C_{t-1}
+the last write is redone with the decoded code T[a]:
+    h'_{t|a} = h_pre_t + W_L(σ(A f_t + P T[a] + b) ⊙ M T[a]),   S_t[a, b] = <W_out[b], norm(h'_{t|a})>, b in C_t
+— all (B-2)·K·K scores in one batched pass. The walk is then a table lookup per slot.
+
+Sampling: slot 1 (whose predecessor, the anchor, is already decoded) samples from its full warped
+distribution; its candidate set is made to contain the sampled token (it replaces the K-th candidate), so
+the walk can continue. Slots >= 2 sample from the warped scores over their K candidates. The proposal
+distribution q returned is exactly what each token was sampled from — what lossless verification needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .drafter import DraftOutput, DSpineDraftModel, Injection
+from .sampling import SamplingParams, sample, warp_probs
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # (N, B-1) drafts for slots 1..B-1
+    q: torch.Tensor | None  # (N, B-1, V) proposal distributions (sampling), None when greedy
+
+
+def transition_scores(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, codes: torch.Tensor,
+                      h_pre: torch.Tensor, f: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """h_pre (N, B, d), f (N, B, r), cand (N, B-1, K) candidates of slots 1..B-1
+    -> S (N, B-2, K, K): S[:, t-2, i, j] = score of cand[slot t, j] after predecessor cand[slot t-1, i]."""
+    K = cand.shape[-1]
+    pred = codes[cand[:, :-1]].to(h_pre.dtype)  # (N, B-2, K, r) codes of slots 1..B-2's candidates
+    f_t = f[:, 2:, None, :].expand(-1, -1, K, -1)  # (N, B-2, K, r)
+    h = h_pre[:, 2:, None, :] + inj.delta(f_t, pred)  # (N, B-2, K, d)
+    succ = head[cand[:, 1:]].to(h.dtype)  # (N, B-2, K, d) rows of slots 2..B-1's candidates
+    return torch.matmul(norm(h), succ.transpose(-1, -2)).float()
+
+
+def walk_greedy(cand: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """cand (N, B-1, K), S (N, B-2, K, K) -> tokens (N, B-1); slot 1 takes its top candidate."""
+    N, Bm1, _ = cand.shape
+    rows = torch.arange(N, device=cand.device)
+    idx = torch.zeros(N, dtype=torch.long, device=cand.device)
+    out = [cand[:, 0, 0]]
+    for j in range(Bm1 - 1):
+        idx = S[rows, j, idx].argmax(-1)
+        out.append(cand[rows, j + 1, idx])
+    return torch.stack(out, dim=1)
+
+
+def walk_sample(cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, params: SamplingParams,
+                vocab: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled walk for slots 2..B-1 -> tokens (N, B-2), q (N, B-2, V) dense proposal distributions."""
+    N, Bm1, K = cand.shape
+    rows = torch.arange(N, device=cand.device)
+    idx = first_idx
+    toks, qs = [], []
+    for j in range(Bm1 - 1):
+        probs = warp_probs(S[rows, j, idx], params)  # (N, K) over slot j+2's candidates
+        idx = sample(probs, generator)
+        toks.append(cand[rows, j + 1, idx])
+        qs.append(torch.zeros(N, vocab, device=cand.device).scatter_(1, cand[:, j + 1], probs))
+    if not toks:
+        return cand.new_zeros(N, 0), torch.zeros(N, 0, vocab, device=cand.device)
+    return torch.stack(toks, 1), torch.stack(qs, 1)
+
+
+def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
+            generator: torch.Generator | None = None) -> Proposal:
+    """One block per row (nb = 1) -> drafts for slots 1..B-1 and, when sampling, their q."""
+    cfg = drafter.config
+    h = out.hidden[:, 0]  # (N, B, d)
+    logits = drafter.logits(h[:, 1:])  # (N, B-1, V)
+    greedy = params.greedy
+    if not cfg.transition_cache:
+        if greedy:
+            return Proposal(logits.argmax(-1), None)
+        q = warp_probs(logits, params)
+        return Proposal(sample(q, generator), q)
+
+    N, Bm1, V = logits.shape
+    K = min(cfg.top_k, V)
+    cand = logits.topk(K, dim=-1).indices  # (N, B-1, K)
+    if greedy:
+        q1, first_idx = None, None
+    else:
+        q1 = warp_probs(logits[:, 0], params)  # (N, V)
+        x1 = sample(q1, generator)
+        hit = cand[:, 0] == x1[:, None]
+        first_idx = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(x1, K - 1))
+        cand[:, 0] = cand[:, 0].scatter(1, first_idx[:, None], x1[:, None])
+    if Bm1 == 1:
+        S = logits.new_zeros(N, 0, K, K)
+    else:
+        last = str(cfg.num_hidden_layers - 1)
+        S = transition_scores(drafter.injections[last], drafter.norm, drafter.head, drafter.transfer_codes,
+                              out.h_pre[:, 0], out.feats[int(last)][:, 0], cand)
+    if greedy:
+        return Proposal(walk_greedy(cand, S), None)
+    rest, q_rest = walk_sample(cand, S, first_idx, params, V, generator)
+    tokens = torch.cat([cand[torch.arange(N), 0, first_idx][:, None], rest], dim=1)
+    return Proposal(tokens, torch.cat([q1[:, None], q_rest], dim=1))

@@ -1,0 +1,213 @@
+"""The embedded engine: autoregressive and speculative decoding over a KV-cached target.
+
+Per request the state is: committed tokens; the target's KV cache holding every committed position but the
+last (the anchor, fed with the next block); the drafter's context K/V for the same positions. A speculative
+round drafts B-1 tokens from [anchor, mask...], verifies [anchor, drafts] in one causal target forward,
+commits the accepted drafts plus the target's own next token, crops the target cache back to the committed
+positions and appends their target features to the drafter's context. AR decoding is the same loop with
+no drafts. Every committed token passes through one stop checker (EOS, max tokens, stop strings), so
+speculative and AR outputs end exactly alike.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .decoding import propose
+from .drafter import DSpineDraftModel
+from .sampling import RequestError, SamplingParams, sample, warp_probs
+from .stats import AcceptanceStats
+from .target import Target
+from .verify import verify_greedy, verify_sampled
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    method: str
+    stats: AcceptanceStats | None = None
+    seconds: float = 0.0
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class _Stopper:
+    """Appends tokens one at a time and decides when generation ends, identically for every method."""
+
+    def __init__(self, target: Target, params: SamplingParams):
+        self.target, self.params = target, params
+        self.eos = set() if params.ignore_eos else target.eos_token_ids
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.text: str | None = None
+
+    def push(self, tok: int) -> bool:
+        if tok in self.eos:
+            self.finish_reason = "stop"
+            return True
+        self.tokens.append(tok)
+        if self.params.stop:
+            text = self.target.decode(self.tokens)
+            hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+            if hits:
+                self.text, self.finish_reason = text[: min(hits)], "stop"
+                return True
+        if len(self.tokens) >= self.params.max_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def result_text(self) -> str:
+        return self.text if self.text is not None else self.target.decode(self.tokens)
+
+
+class DraftContext:
+    """The drafter's per-layer context K/V for committed positions (grows; block K/V are never kept)."""
+
+    def __init__(self, drafter: DSpineDraftModel):
+        self.drafter = drafter
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def extend(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
+        """feats (N, n, m*d), pos (N, n)."""
+        new = self.drafter.context_kv(feats, pos)
+        if self.kv is None:
+            self.kv = new
+        else:
+            self.kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+
+
+class Engine:
+    """Generate with a target alone (`method="ar"`) or with a DSpine/DFlash/post-backbone drafter."""
+
+    def __init__(self, target: Target, drafter: DSpineDraftModel | None = None):
+        self.target = target
+        self.drafter = drafter.bind(target) if drafter is not None else None
+        self.method = drafter.config.method if drafter is not None else "ar"
+        self.max_positions = target.info.max_position_embeddings
+
+    # ---- inputs ----------------------------------------------------------------------------------------
+    def prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise RequestError("prompt is empty")
+            ids = self.target.chat_ids([{"role": "user", "content": prompt}])
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if not any(str(m.get("content", "")).strip() for m in prompt):
+                raise RequestError("messages have no content")
+            ids = self.target.chat_ids(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = [int(t) for t in prompt]
+        else:
+            raise RequestError(f"prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.target.info.vocab_size]
+        if bad:
+            raise RequestError(f"prompt has token ids outside the vocabulary: {bad[:5]}")
+        if len(ids) >= self.max_positions:
+            raise RequestError(f"prompt has {len(ids)} tokens; the target's context is {self.max_positions}")
+        return ids
+
+    # ---- decoding --------------------------------------------------------------------------------------
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen) -> int:
+        """logits (V,) -> next token, exactly as AR decoding picks it."""
+        if params.greedy:
+            return int(logits.argmax())
+        return int(sample(warp_probs(logits, params), gen))
+
+    @torch.no_grad()
+    def generate(self, prompt, params: SamplingParams | None = None) -> GenerationResult:
+        params = (params or SamplingParams()).validate()
+        ids = self.prompt_ids(prompt)
+        gen = torch.Generator(device=self.target.device)
+        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        t0 = time.perf_counter()
+        tgt, dev = self.target, self.target.device
+        spec = self.drafter is not None
+        layer_ids = self.drafter.config.target_layer_ids if spec else None
+        B = self.drafter.config.block_size if spec else 1
+        stats = AcceptanceStats(B) if spec else None
+        stop = _Stopper(tgt, params)
+
+        cache = tgt.new_cache()
+        logits, feats = tgt.forward(torch.tensor([ids], device=dev), cache, layer_ids)
+        P = len(ids)  # the target cache holds positions [0, P); the anchor sits at P
+        ctx = None
+        if spec:
+            ctx = DraftContext(self.drafter)
+            ctx.extend(feats, torch.arange(P, device=dev)[None])
+        anchor = self._pick(logits[0, -1], params, gen)
+        done = stop.push(anchor)
+        while not done:
+            if P + 1 >= self.max_positions:
+                stop.finish_reason = "length"
+                break
+            if not spec or P + B > self.max_positions:  # AR step (also a drafter's fallback at the context edge)
+                logits, feats = tgt.forward(torch.tensor([[anchor]], device=dev), cache, layer_ids)
+                if spec:
+                    ctx.extend(feats, torch.tensor([[P]], device=dev))
+                P += 1
+                anchor = self._pick(logits[0, -1], params, gen)
+                done = stop.push(anchor)
+                continue
+            pos = torch.arange(P, P + B, device=dev)
+            block = self.drafter.block_inputs(torch.tensor([[anchor]], device=dev), B)
+            out = self.drafter(block, pos[None, None], ctx.kv)
+            prop = propose(self.drafter, out, params, gen)
+            drafts = prop.tokens  # (1, B-1)
+            logits, feats = tgt.forward(torch.cat([torch.tensor([[anchor]], device=dev), drafts], 1),
+                                        cache, layer_ids)
+            if params.greedy:
+                n_acc, nxt = verify_greedy(drafts, logits)
+            else:
+                n_acc, nxt = verify_sampled(drafts, prop.q, warp_probs(logits, params), gen)
+            n = int(n_acc[0])
+            stats.record(n)
+            tgt.crop_cache(cache, P + n + 1)
+            ctx.extend(feats[:, : n + 1], pos[None, : n + 1])
+            P += n + 1
+            for tok in drafts[0, :n].tolist() + [int(nxt[0])]:
+                if stop.push(tok):
+                    done = True
+                    break
+            anchor = int(nxt[0])
+        return GenerationResult(token_ids=stop.tokens, text=stop.result_text(),
+                                finish_reason=stop.finish_reason or "length", prompt_tokens=len(ids),
+                                method=self.method, stats=stats, seconds=time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def speculative_step(target: Target, drafter: DSpineDraftModel, seqs: torch.Tensor, params: SamplingParams,
+                     generator: torch.Generator | None = None, verifier=verify_sampled):
+    """One stateless speculative round for N rows of equal length (full recompute, no caches).
+
+    seqs (N, L): committed tokens, the last one the anchor. Returns (accepted (N,), drafts (N, B-1),
+    next (N,)). Used by distribution tests and offline evaluation; the engine's cached loop calls the same
+    `propose` and verifiers.
+    """
+    N, L = seqs.shape
+    B = drafter.config.block_size
+    dev = seqs.device
+    _, feats = target.forward(seqs[:, :-1], None, drafter.config.target_layer_ids)
+    ctx_pos = torch.arange(L - 1, device=dev).expand(N, -1)
+    ctx = drafter.context_kv(feats, ctx_pos)
+    pos = torch.arange(L - 1, L - 1 + B, device=dev).expand(N, -1)[:, None]
+    out = drafter(drafter.block_inputs(seqs[:, -1:], B), pos, ctx)
+    prop = propose(drafter, out, params, generator)
+    logits, _ = target.forward(torch.cat([seqs, prop.tokens], 1), None)
+    logits = logits[:, L - 1:]
+    if params.greedy:
+        n_acc, nxt = verify_greedy(prop.tokens, logits)
+    else:
+        n_acc, nxt = verifier(prop.tokens, prop.q, warp_probs(logits, params), generator)
+    return n_acc, prop.tokens, nxt

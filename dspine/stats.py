@@ -1,0 +1,95 @@
+"""Acceptance, defined once. Training, evaluation, the servers and the dashboards all use this type.
+
+τ (acceptance length) = tokens committed per target verify round = accepted drafts + 1 (the bonus), in
+[1, B]. Reported two ways across requests: the mean of per-request means (z-lab/dflash's convention) and
+the pooled ratio (all committed tokens / all rounds). The per-slot histogram counts, for each block slot
+k = 1..B-1, the rounds in which slot k was accepted; `accept_hist[n]` counts rounds that accepted n drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceStats:
+    block_size: int
+    accept_hist: list[int] = field(default_factory=list)  # accept_hist[n]: rounds with n drafts accepted
+
+    def __post_init__(self):
+        if len(self.accept_hist) != self.block_size:
+            self.accept_hist = (list(self.accept_hist) + [0] * self.block_size)[: self.block_size]
+
+    def record(self, accepted: int) -> None:
+        if not 0 <= accepted < self.block_size:
+            raise ValueError(f"accepted={accepted} outside [0, {self.block_size - 1}]")
+        self.accept_hist[accepted] += 1
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.accept_hist)
+
+    @property
+    def accepted(self) -> int:
+        return sum(n * c for n, c in enumerate(self.accept_hist))
+
+    @property
+    def proposed(self) -> int:
+        return self.rounds * (self.block_size - 1)
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def per_slot(self) -> list[float]:
+        """P(slot k accepted) for k = 1..B-1 (fraction of rounds reaching slot k)."""
+        r = self.rounds
+        return [sum(self.accept_hist[k:]) / r if r else 0.0 for k in range(1, self.block_size)]
+
+    def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
+        if other.block_size != self.block_size:
+            raise ValueError("cannot merge stats of different block sizes")
+        return AcceptanceStats(self.block_size, [a + b for a, b in zip(self.accept_hist, other.accept_hist)])
+
+    def to_dict(self) -> dict:
+        return {"block_size": self.block_size, "rounds": self.rounds, "accepted": self.accepted,
+                "tau": self.tau, "accept_rate": self.accept_rate, "accept_hist": list(self.accept_hist),
+                "per_slot": self.per_slot}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AcceptanceStats":
+        return cls(int(d["block_size"]), [int(x) for x in d["accept_hist"]])
+
+    def sglang_meta(self) -> dict:
+        """The per-request fields SGLang 0.5.23 reports (meta_info / sglext.spec_tokens_details)."""
+        return {"spec_accept_length": self.tau, "spec_verify_ct": self.rounds,
+                "spec_accept_rate": self.accept_rate, "spec_num_correct_drafts": self.accepted,
+                "spec_num_proposed_drafts": self.proposed,
+                "spec_correct_drafts_histogram": list(self.accept_hist)}
+
+
+def summarize(requests: list[AcceptanceStats]) -> dict:
+    """Across requests: mean of per-request τ, pooled τ, pooled per-slot acceptance."""
+    live = [s for s in requests if s.rounds]
+    if not live:
+        return {"requests": 0, "tau_mean": 0.0, "tau_pooled": 0.0, "per_slot": [], "rounds": 0}
+    pooled = live[0]
+    for s in live[1:]:
+        pooled = pooled.merge(s)
+    return {"requests": len(live), "tau_mean": sum(s.tau for s in live) / len(live),
+            "tau_pooled": pooled.tau, "per_slot": pooled.per_slot, "rounds": pooled.rounds,
+            "accept_hist": pooled.accept_hist}
+
+
+def simulated_tau(per_slot_acc: list[float]) -> float:
+    """SpecForge's convention from per-slot conditional accuracies acc_k: 1 + Σ_k Π_{i<=k} acc_i."""
+    tau, run = 1.0, 1.0
+    for a in per_slot_acc:
+        run *= a
+        tau += run
+    return tau

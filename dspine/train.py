@@ -1,0 +1,208 @@
+"""Drafter training: the losses of DESIGN.md §1 and an online training loop.
+
+Online: the frozen target runs teacher-forced on each batch to produce the context features; random
+anchors inside the response; every block of every sequence in one drafter forward under a block mask.
+Losses (each variant switches off what it lacks):
+- CE on slots 1..B-1 weighted w_k = exp(-(k-1)/γ);
+- layer-wise cosine between each readout f_t^l and the code T[y_t] (weights w_t), averaged over layers;
+- CE of the redone last write with the true predecessor's code (slots >= 2), so training sees what the
+  transition cache computes at decode time.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .drafter import DSpineDraftModel, block_attention_mask
+from .stats import simulated_tau
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    lr: float = 6e-4
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    batch_size: int = 4  # sequences per step
+    anchors_per_seq: int = 16
+    max_len: int = 512
+    gamma: float = 7.0
+    cos_weight: float = 0.5
+    redo_weight: float = 1.0
+    seed: int = 0
+    eval_every: int = 50
+
+    def validate(self) -> None:
+        from .config import ConfigError
+
+        for k in ("steps", "batch_size", "anchors_per_seq", "max_len"):
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"train.{k} must be positive")
+        if self.lr <= 0 or self.gamma <= 0:
+            raise ConfigError("train.lr and train.gamma must be positive")
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # (Bs, S) token ids, right-padded
+    label_mask: torch.Tensor  # (Bs, S) bool: positions that are response tokens
+    anchors: torch.Tensor  # (Bs, nb) anchor positions
+
+
+def make_batch(samples: list[tuple[list[int], int]], anchors_per_seq: int, block_size: int, max_len: int,
+               rng: random.Random, device="cpu") -> Batch:
+    """samples: (token ids, index of the first response token). Anchors are drawn from positions whose
+    next token is a response token (the last prompt token included)."""
+    seqs = [(ids[:max_len], start) for ids, start in samples]
+    S = max(len(s) for s, _ in seqs)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    lab = torch.zeros(len(seqs), S, dtype=torch.bool)
+    anchors = torch.zeros(len(seqs), anchors_per_seq, dtype=torch.long)
+    for i, (s, start) in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, start: len(s)] = True
+        lo, hi = max(0, start - 1), len(s) - 2
+        if hi < lo:
+            raise ValueError(f"sample {i} has no response tokens to train on")
+        choices = list(range(lo, hi + 1))
+        pick = rng.sample(choices, anchors_per_seq) if len(choices) >= anchors_per_seq else \
+            [rng.choice(choices) for _ in range(anchors_per_seq)]
+        anchors[i] = torch.tensor(sorted(pick))
+    return Batch(ids.to(device), lab.to(device), anchors.to(device))
+
+
+def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)  # (B-1,)
+
+
+def drafter_losses(drafter: DSpineDraftModel, feats: torch.Tensor, batch: Batch, gamma: float = 7.0,
+                   cos_weight: float = 0.5, redo_weight: float = 1.0) -> dict:
+    """feats (Bs, S, m*d) target features of batch.ids -> {"loss", "ce", "cos", "redo", "tau_sim", ...}."""
+    cfg = drafter.config
+    B = cfg.block_size
+    ids, anchors = batch.ids, batch.anchors
+    Bs, S = ids.shape
+    nb = anchors.shape[1]
+    dev = ids.device
+    pos = anchors[..., None] + torch.arange(B, device=dev)  # (Bs, nb, B)
+    lab_pos = pos[..., 1:].clamp(max=S - 1)
+    y = ids.gather(1, lab_pos.reshape(Bs, -1)).reshape(Bs, nb, B - 1)
+    valid = batch.label_mask.gather(1, lab_pos.reshape(Bs, -1)).reshape(Bs, nb, B - 1) & (pos[..., 1:] < S)
+    w = slot_weights(B, gamma, dev) * valid  # (Bs, nb, B-1)
+    wsum = w.sum().clamp_min(1e-6)
+
+    ctx_kv = drafter.context_kv(feats, torch.arange(S, device=dev).expand(Bs, -1))
+    ctx_visible = torch.arange(S, device=dev)[None, None, :] < anchors[..., None]  # (Bs, nb, S)
+    mask = block_attention_mask(ctx_visible, B, cfg.is_causal)
+    out = drafter(drafter.block_inputs(ids.gather(1, anchors), B), pos, ctx_kv, mask)
+    logits = drafter.logits(out.hidden[:, :, 1:])  # (Bs, nb, B-1, V)
+    ce = (F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(w) * w).sum() / wsum
+    total = ce
+    res = {"ce": ce.detach()}
+    pred = logits.argmax(-1)
+
+    if cfg.uses_injection:
+        codes = drafter.transfer_codes
+        tgt_code = codes[y]  # (Bs, nb, B-1, r)
+        cos_terms = [((1 - F.cosine_similarity(f[:, :, 1:].float(), tgt_code.float(), dim=-1)) * w).sum() / wsum
+                     for f in out.feats.values()]
+        cos = torch.stack(cos_terms).mean()
+        res["cos"] = cos.detach()
+        if cos_weight:
+            total = total + cos_weight * cos
+        if B > 2:  # redone last write with the true predecessor's code, slots 2..B-1
+            last = cfg.num_hidden_layers - 1
+            inj = drafter.injections[str(last)]
+            f_last = out.feats[last]
+            h_redo = out.h_pre[:, :, 2:] + inj.delta(f_last[:, :, 2:], tgt_code[:, :, :-1].to(f_last.dtype))
+            redo_logits = drafter.logits(h_redo)  # (Bs, nb, B-2, V)
+            wr = w[:, :, 1:] * valid[:, :, :-1]
+            redo = (F.cross_entropy(redo_logits.flatten(0, 2), y[:, :, 1:].flatten(), reduction="none")
+                    .view_as(wr) * wr).sum() / wr.sum().clamp_min(1e-6)
+            res["redo"] = redo.detach()
+            if redo_weight:
+                total = total + redo_weight * redo
+            pred = torch.cat([pred[:, :, :1], redo_logits.argmax(-1)], dim=2)  # what the walk picks
+    # simulated τ: conditional per-slot accuracy along the label chain (SpecForge's Σ_k Π_{i<=k} acc_i)
+    correct = (pred == y) & valid
+    chain = correct.long().cumprod(-1).bool()
+    reach = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=-1) & valid
+    acc = [(chain[..., k].sum() / reach[..., k].sum().clamp_min(1)).item() for k in range(B - 1)]
+    res.update(loss=total, tau_sim=simulated_tau(acc), slot_acc=acc)
+    return res
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+@torch.no_grad()
+def evaluate_tau_sim(drafter, target, samples, cfg: TrainConfig, seed: int = 1234) -> float:
+    rng = random.Random(seed)
+    taus, n = 0.0, 0
+    for i in range(0, len(samples), cfg.batch_size):
+        batch = make_batch(samples[i: i + cfg.batch_size], cfg.anchors_per_seq, drafter.config.block_size,
+                           cfg.max_len, rng, target.device)
+        _, feats = target.forward(batch.ids, None, drafter.config.target_layer_ids)
+        res = drafter_losses(drafter, feats, batch, cfg.gamma, cfg.cos_weight, cfg.redo_weight)
+        taus += res["tau_sim"] * len(batch.ids)
+        n += len(batch.ids)
+    return taus / max(1, n)
+
+
+def train_drafter(drafter: DSpineDraftModel, target, samples: list[tuple[list[int], int]], cfg: TrainConfig,
+                  eval_samples=None, progress: bool = True, log=None) -> list[dict]:
+    """Train `drafter` in place on target-generated samples; returns the per-step log."""
+    from tqdm.auto import tqdm
+
+    cfg.validate()
+    drafter.bind(target).train()
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    history = []
+    order: list[int] = []
+    bar = tqdm(range(cfg.steps), desc=f"train {drafter.config.method}", disable=not progress)
+    for step in bar:
+        if len(order) < cfg.batch_size:
+            extra = list(range(len(samples)))
+            rng.shuffle(extra)
+            order += extra
+        idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
+        batch = make_batch([samples[i] for i in idx], cfg.anchors_per_seq, drafter.config.block_size,
+                           cfg.max_len, rng, target.device)
+        _, feats = target.forward(batch.ids, None, drafter.config.target_layer_ids)
+        res = drafter_losses(drafter, feats, batch, cfg.gamma, cfg.cos_weight, cfg.redo_weight)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        res["loss"].backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        row = {"step": step + 1, "loss": res["loss"].item(), "ce": res["ce"].item(),
+               "tau_sim": res["tau_sim"], "grad_norm": float(gnorm), "lr": opt.param_groups[0]["lr"]}
+        for k in ("cos", "redo"):
+            if k in res:
+                row[k] = res[k].item()
+        if eval_samples and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            drafter.eval()
+            row["eval_tau_sim"] = evaluate_tau_sim(drafter, target, eval_samples, cfg)
+            drafter.train()
+        history.append(row)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_sim']:.2f}")
+        if log is not None:
+            log(row)
+    drafter.eval()
+    return history

@@ -1,0 +1,40 @@
+"""Lossless verification of a drafted block by one causal target forward.
+
+Greedy: accept the longest prefix equal to the target's argmax, then commit the target's own next token.
+Sampling: chain rejection sampling against the drafter's actual proposal q — accept draft x_k with
+probability min(1, p_k(x)/q_k(x)); at the first rejection sample from norm(max(0, p_k - q_k)); if every
+draft passes, the bonus comes from p_B. The committed tokens are then distributed exactly as AR sampling
+from p (the warped target distribution, sampling.warp_probs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample
+
+
+def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft (N, B-1), target logits (N, B, V) at [anchor, drafts] -> (accepted (N,), next token (N,))."""
+    tgt = logits.argmax(-1)  # (N, B)
+    ok = (draft == tgt[:, :-1]).long()
+    n_acc = ok.cumprod(-1).sum(-1)
+    return n_acc, tgt.gather(1, n_acc[:, None])[:, 0]
+
+
+def verify_sampled(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft (N, B-1), proposal q (N, B-1, V), warped target p (N, B, V) -> (accepted (N,), next (N,))."""
+    N, Bm1 = draft.shape
+    px = p[:, :-1].gather(2, draft[..., None])[..., 0]
+    qx = q.gather(2, draft[..., None])[..., 0]
+    u = torch.rand(N, Bm1, generator=generator, device=draft.device)
+    ok = (u * qx < px).long()  # u < p/q  (q(x) > 0: x was sampled from q)
+    n_acc = ok.cumprod(-1).sum(-1)
+    rows = torch.arange(N, device=draft.device)
+    p_at = p[rows, n_acc]  # (N, V) target distribution at the first rejected (or bonus) slot
+    q_at = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, n_acc]  # zero at the bonus slot
+    resid = (p_at - q_at).clamp_min(0)
+    mass = resid.sum(-1, keepdim=True)
+    resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_at)  # p == q: nothing to correct
+    return n_acc, sample(resid, generator)
