@@ -1,0 +1,71 @@
+"""Speculative output equals autoregressive output token for token at temperature 0 (fp32)."""
+
+import pytest
+import torch
+
+from conftest import CHAT_PROMPTS, METHODS, brief_train, perturb_writes
+from dspine.drafter import DSpineDraftModel
+from dspine.engine import Engine
+from dspine.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_tiny_targets_greedy_equals_ar(tiny, method):
+    target, pairs = tiny
+    ar = Engine(target)
+    fresh = perturb_writes(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8,
+                                                       top_k=4, seed=3))
+    trained = brief_train(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8,
+                                                      top_k=4, seed=4), target, pairs[4:], steps=40)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    taus = []
+    for drafter in (fresh, trained):
+        spec = Engine(target, drafter)
+        for ids, start in pairs[:4]:
+            want = ar.generate(ids[:start], params)
+            got = spec.generate(ids[:start], params)
+            assert got.token_ids == want.token_ids
+            assert got.stats.rounds >= 1 and 1.0 <= got.stats.tau <= drafter.config.block_size
+            taus.append(got.stats.tau)
+    # the trained drafter predicts the target's own greedy continuations on its training prompts' family
+    assert sum(taus[4:]) > sum(taus[:4])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_real_target_greedy_equals_ar(smollm2, smollm2_drafters, method):
+    ar = Engine(smollm2)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for drafter in smollm2_drafters[method]:
+        spec = Engine(smollm2, drafter)
+        for prompt in CHAT_PROMPTS:
+            want = ar.generate(prompt, params)
+            got = spec.generate(prompt, params)
+            assert len(want.token_ids) == 64
+            assert got.token_ids == want.token_ids, (method, prompt)
+            assert got.text == want.text
+
+
+def test_stop_conditions_match_ar(smollm2, smollm2_drafters):
+    """EOS, stop strings and max_tokens end speculative decoding exactly where AR ends."""
+    drafter = smollm2_drafters["dspine"][1]
+    ar, spec = Engine(smollm2), Engine(smollm2, drafter)
+    cases = [SamplingParams(max_tokens=200), SamplingParams(max_tokens=80, stop=["."]),
+             SamplingParams(max_tokens=7, ignore_eos=True)]
+    for params in cases:
+        want = ar.generate(CHAT_PROMPTS[0], params)
+        got = spec.generate(CHAT_PROMPTS[0], params)
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert ar.generate(CHAT_PROMPTS[0], cases[0]).finish_reason == "stop"  # EOS reached before 200
+    stopped = ar.generate(CHAT_PROMPTS[0], cases[1])
+    assert stopped.finish_reason == "stop" and "." not in stopped.text
+    assert len(ar.generate(CHAT_PROMPTS[0], cases[2]).token_ids) == 7
+
+
+def test_sampled_generation_is_seeded(tiny):
+    target, pairs = tiny
+    drafter = perturb_writes(DSpineDraftModel.for_target(target, num_hidden_layers=2, block_size=8, top_k=4))
+    spec = Engine(target, drafter)
+    p = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=20, seed=7, ignore_eos=True)
+    a, b = spec.generate(pairs[0][0][:6], p), spec.generate(pairs[0][0][:6], p)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 30
+    torch.manual_seed(0)
