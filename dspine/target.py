@@ -51,11 +51,10 @@ def _builtin_gguf(name: str) -> Path:
     raise TargetError(f"{dist} is installed but {fname} is missing from it")
 
 
-def _materialise_builtin(name: str) -> Path:
+def _materialise_gguf(gguf: Path, name: str) -> Path:
     """GGUF -> fp32 safetensors folder in the cache (once); returns the folder."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _builtin_gguf(name)
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / "targets" / f"{name}-{key}"
@@ -85,11 +84,13 @@ def _materialise_builtin(name: str) -> Path:
 
 def resolve_target_path(spec: str) -> Path:
     if spec in BUILTIN:
-        return _materialise_builtin(spec)
+        return _materialise_gguf(_builtin_gguf(spec), spec)
     path = Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        return _materialise_gguf(path, path.stem.lower())
     if not path.is_dir() or not (path / "config.json").is_file():
         raise TargetError(
-            f"target {spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor a folder with config.json"
+            f"target {spec!r} is neither a built-in ({', '.join(BUILTIN)}), a .gguf file, nor a folder with config.json"
         )
     return path
 

@@ -184,7 +184,8 @@ def train_drafter(drafter: DSpineDraftModel, target, samples: list[tuple[list[in
         batch = make_batch([samples[i] for i in idx], cfg.anchors_per_seq, drafter.config.block_size,
                            cfg.max_len, rng, target.device)
         _, feats = target.forward(batch.ids, None, drafter.config.target_layer_ids)
-        res = drafter_losses(drafter, feats, batch, cfg.gamma, cfg.cos_weight, cfg.redo_weight)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda"):
+            res = drafter_losses(drafter, feats, batch, cfg.gamma, cfg.cos_weight, cfg.redo_weight)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)

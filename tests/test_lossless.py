@@ -31,15 +31,22 @@ def test_tiny_targets_greedy_equals_ar(tiny, method):
     assert sum(taus[4:]) > sum(taus[:4])
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_real_target_greedy_equals_ar(smollm2, smollm2_drafters, method):
+REAL_PARAMS = SamplingParams(max_tokens=64, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def real_ar(smollm2):
     ar = Engine(smollm2)
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    return {p: ar.generate(p, REAL_PARAMS) for p in CHAT_PROMPTS}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_real_target_greedy_equals_ar(smollm2, smollm2_drafters, real_ar, method):
     for drafter in smollm2_drafters[method]:
         spec = Engine(smollm2, drafter)
         for prompt in CHAT_PROMPTS:
-            want = ar.generate(prompt, params)
-            got = spec.generate(prompt, params)
+            want = real_ar[prompt]
+            got = spec.generate(prompt, REAL_PARAMS)
             assert len(want.token_ids) == 64
             assert got.token_ids == want.token_ids, (method, prompt)
             assert got.text == want.text

