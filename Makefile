@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	dspine train --method dspine --out $(DEMO)/dspine --num-prompts 16 --max-new-tokens 64 \
+	dspine train --method dspine --out $(DEMO) --num-prompts 16 --max-new-tokens 64 \
 	    train.steps=40 train.batch_size=2 train.anchors_per_seq=8 train.eval_every=20
-	dspine generate --drafter $(DEMO)/dspine --max-tokens 96 \
+	dspine generate --drafter $(DEMO)/best --max-tokens 96 \
 	    --prompt "Give me three tips for writing clear Python code."
 
 test: $(STAMP)

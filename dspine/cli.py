@@ -47,21 +47,55 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
-    t = sub.add_parser("train", help="train a drafter on target-regenerated responses (CPU-sized by default)",
-                       description="Regenerate responses to workload prompts with the target, then train a "
-                                   "drafter on them and save a checkpoint. Training settings are overridable as "
-                                   "dotted keys, e.g. train.lr=3e-4 train.steps=500.")
+    r = sub.add_parser("regen", help="regenerate responses to a prompt set with the target (training data)",
+                       description="Answer every prompt of a workload with the target itself and write a Parquet "
+                                   "dataset (part-*.parquet, errors.jsonl, manifest.json). Re-running with the "
+                                   "same --out skips prompts already answered.")
+    _add_target(r)
+    r.add_argument("--workload", default="sharegpt_3k", help="prompt pool from workloads/ (default: %(default)s)")
+    r.add_argument("--prompts-file", help="JSONL file of {id, prompt} rows instead of a workload")
+    r.add_argument("--out", required=True, help="dataset folder to write (or resume)")
+    r.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    r.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default: %(default)s)")
+    r.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default: %(default)s)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    t = sub.add_parser("train", help="train a drafter on target-regenerated responses",
+                       description="Train a drafter on a `dspine regen` dataset (or, without --data, on a few "
+                                   "prompts regenerated on the spot) and save out/best and out/last. Training "
+                                   "settings are dotted overrides, e.g. train.lr=3e-4 train.steps=500. --resume "
+                                   "continues out/last exactly (optimizer, RNG, data position); --warm-start "
+                                   "copies only the weights of another checkpoint.")
     _add_target(t)
     t.add_argument("--method", choices=METHODS[1:], default="dspine", help="drafter variant (default: %(default)s)")
-    t.add_argument("--out", required=True, help="checkpoint folder to write")
-    t.add_argument("--workload", default="sharegpt", help="prompt set from workloads/ (default: %(default)s)")
-    t.add_argument("--num-prompts", type=int, default=32, help="prompts to regenerate (default: %(default)s)")
-    t.add_argument("--max-new-tokens", type=int, default=96, help="response length (default: %(default)s)")
+    t.add_argument("--out", required=True, help="run folder: best/, last/, log.jsonl")
+    t.add_argument("--data", help="regen dataset folder (part-*.parquet)")
+    t.add_argument("--workload", default="sharegpt", help="without --data: prompts to regenerate (default: %(default)s)")
+    t.add_argument("--num-prompts", type=int, default=32, help="without --data: prompts (default: %(default)s)")
+    t.add_argument("--max-new-tokens", type=int, default=96, help="without --data: response length (default: %(default)s)")
     t.add_argument("--layers", type=int, default=5, help="drafter layers (default: %(default)s)")
     t.add_argument("--block-size", type=int, default=16, help="block size B (default: %(default)s)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from out/last")
+    t.add_argument("--warm-start", help="checkpoint whose weights initialise the drafter (same shapes)")
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
     t.add_argument("overrides", nargs="*", metavar="train.KEY=VALUE",
                    help="dotted overrides of the training config (keys: see dspine.train.TrainConfig)")
+    e = sub.add_parser("eval", help="acceptance per benchmark for AR and any set of drafters",
+                       description="Decode benchmark prompts through the engine with AR and each drafter, at each "
+                                   "temperature; write JSON (git sha, command, hardware, config hashes) and a "
+                                   "Markdown table beside it. At T=0 every drafter's output is checked against AR.")
+    _add_target(e)
+    e.add_argument("--drafter", action="append", default=[], metavar="NAME=CHECKPOINT",
+                   help="a drafter to evaluate (repeatable), e.g. dspine=runs/a/best")
+    e.add_argument("--benchmarks", default="all",
+                   help="comma-separated from gsm8k,math500,humaneval,mbpp,livecodebench,mt_bench,arena_hard "
+                        "(default: all)")
+    e.add_argument("--limit", type=int, default=10, help="items per benchmark (default: %(default)s)")
+    e.add_argument("--temperatures", default="0,1", help="comma-separated (default: %(default)s)")
+    e.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default: %(default)s)")
+    e.add_argument("--out", required=True, help="JSON file to write (a .md table is written beside it)")
+    e.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return ap
 
 
@@ -119,15 +153,40 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_regen(a) -> int:
+    from workloads import load_prompts
+
+    from .regen import regenerate_dataset
+    from .target import load_target
+
+    if a.prompts_file:
+        items = []
+        with open(a.prompts_file) as f:
+            for n, line in enumerate(f):
+                if line.strip():
+                    row = json.loads(line)
+                    items.append((str(row.get("id", n)), row.get("prompt", "")))
+    else:
+        items = [(f"{a.workload}/{i}", p) for i, p in enumerate(load_prompts(a.workload))]
+    items = items[: a.limit] if a.limit else items
+    target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
+    rep = regenerate_dataset(target, items, a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
+                             temperature=a.temperature, progress=not a.no_progress)
+    print(f"regen {a.out}: input={rep.input} ok={rep.ok} error={rep.error} skipped={rep.skipped}")
+    return 0
+
+
 def cmd_train(a) -> int:
     from dataclasses import asdict
+    from pathlib import Path
 
     from workloads import load_prompts
 
-    from .checkpoint import save_drafter
+    from .checkpoint import load_drafter
     from .config import apply_overrides, from_dict
     from .data import regenerate
     from .drafter import DSpineDraftModel
+    from .regen import load_samples
     from .sampling import SamplingParams
     from .target import load_target
     from .train import TrainConfig, evaluate_tau_sim, train_drafter
@@ -136,22 +195,72 @@ def cmd_train(a) -> int:
     if set(over) != {"train"}:
         raise UsageError(f"overrides must start with 'train.', got sections {sorted(set(over) - {'train'})}")
     cfg = from_dict(TrainConfig, {**asdict(TrainConfig(gamma=7.0 * a.block_size / 16)), **over["train"]}, "train")
+    if a.resume and a.warm_start:
+        raise UsageError("--resume continues a run; --warm-start begins a new one: pick one")
+    out = Path(a.out)
+    if a.resume and not (out / "last" / "trainer_state.json").is_file():
+        raise UsageError(f"--resume: {out / 'last'} holds no trainer state")
+    pairs = load_samples(a.data) if a.data else None  # fail on a missing dataset before loading the target
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
-    prompts = load_prompts(a.workload, limit=a.num_prompts, max_chars=600)
-    samples = regenerate(target, prompts, SamplingParams(max_tokens=a.max_new_tokens), progress=not a.no_progress)
-    pairs = [s.as_pair() for s in samples]
-    n_eval = max(1, len(pairs) // 8)
+    if pairs is None:
+        prompts = load_prompts(a.workload, limit=a.num_prompts, max_chars=600)
+        samples = regenerate(target, prompts, SamplingParams(max_tokens=a.max_new_tokens), progress=not a.no_progress)
+        pairs = [s.as_pair() for s in samples]
+    n_eval = max(1, min(64, len(pairs) // 8))
     train_pairs, eval_pairs = pairs[n_eval:], pairs[:n_eval]
     drafter = DSpineDraftModel.for_target(target, method=a.method, num_hidden_layers=a.layers,
-                                          block_size=a.block_size, seed=cfg.seed).to(_dtype(a.dtype))
-    drafter.bind(target)
+                                          block_size=a.block_size, seed=cfg.seed)
+    if a.warm_start:
+        src = load_drafter(a.warm_start, target)
+        mine = drafter.state_dict()
+        shared = {k: v for k, v in src.state_dict().items() if k in mine and v.shape == mine[k].shape}
+        if not shared:
+            raise UsageError(f"--warm-start {a.warm_start}: no weights fit this drafter")
+        drafter.load_state_dict(shared, strict=False)
+    drafter = drafter.to(device=a.device, dtype=_dtype(a.dtype)).bind(target)
     before = evaluate_tau_sim(drafter, target, eval_pairs, cfg)
-    hist = train_drafter(drafter, target, train_pairs, cfg, eval_samples=eval_pairs, progress=not a.no_progress)
-    after = hist[-1].get("eval_tau_sim", evaluate_tau_sim(drafter, target, eval_pairs, cfg))
-    save_drafter(drafter, a.out, extra={"target": a.target, "train": asdict(cfg), "samples": len(train_pairs),
-                                        "eval_tau_sim_before": before, "eval_tau_sim_after": after})
-    print(f"saved {a.method} drafter to {a.out}: held-out tau_sim {before:.3f} -> {after:.3f} "
-          f"(final loss {hist[-1]['loss']:.3f})")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "log.jsonl", "a") as logf:
+        hist = train_drafter(drafter, target, train_pairs, cfg, eval_samples=eval_pairs, progress=not a.no_progress,
+                             out=out, resume=a.resume, log=lambda row: logf.write(json.dumps(row) + "\n"),
+                             extra={"target": a.target, "data": a.data, "samples": len(train_pairs),
+                                    "warm_start": a.warm_start})
+    after = hist[-1].get("eval_tau_sim", before) if hist else before
+    print(f"saved {a.method} drafter to {out}/best and {out}/last: held-out tau_sim {before:.3f} -> {after:.3f}")
+    return 0
+
+
+def cmd_eval(a) -> int:
+    import os
+
+    from workloads import BENCHMARKS
+
+    from .checkpoint import load_drafter, read_config
+    from .evaluate import evaluate, markdown_table, write_results
+    from .target import load_target
+
+    benches = list(BENCHMARKS) if a.benchmarks == "all" else [b.strip() for b in a.benchmarks.split(",")]
+    unknown = [b for b in benches if b not in BENCHMARKS]
+    if unknown:
+        raise UsageError(f"unknown benchmark(s) {unknown}; known: {sorted(BENCHMARKS)}")
+    temps = [float(t) for t in a.temperatures.split(",")]
+    if any(t < 0 for t in temps) or a.limit <= 0 or a.max_new_tokens <= 0:
+        raise UsageError("temperatures must be >= 0, --limit and --max-new-tokens positive")
+    specs = {}
+    for d in a.drafter:
+        if "=" not in d:
+            raise UsageError(f"--drafter {d!r} is not NAME=CHECKPOINT")
+        name, path = d.split("=", 1)
+        read_config(path)  # fail before loading the target
+        specs[name] = path
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    if not os.access(out_dir if os.path.isdir(out_dir) else os.path.dirname(out_dir), os.W_OK):
+        raise UsageError(f"cannot write {a.out}")
+    target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
+    drafters = {n: load_drafter(p, target, dtype=_dtype(a.dtype), device=a.device) for n, p in specs.items()}
+    doc = evaluate(target, drafters, benches, a.limit, temps, a.max_new_tokens, progress=not a.no_progress)
+    write_results(doc, a.out)
+    print(markdown_table(doc))
     return 0
 
 
@@ -159,12 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .sampling import RequestError
+    from .regen import RegenError
     from .target import TargetError
 
     a = _parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "train": cmd_train}[a.verb](a)
-    except (CheckpointError, ConfigError, RequestError, TargetError, UsageError) as e:
+        return {"generate": cmd_generate, "regen": cmd_regen, "train": cmd_train, "eval": cmd_eval}[a.verb](a)
+    except (CheckpointError, ConfigError, RequestError, TargetError, UsageError, RegenError) as e:
         print(f"dspine {a.verb}: error: {e}", file=sys.stderr)
         return 2
 

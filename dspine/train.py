@@ -11,9 +11,11 @@ Losses (each variant switches off what it lacks):
 
 from __future__ import annotations
 
+import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,7 @@ class TrainConfig:
     redo_weight: float = 1.0
     seed: int = 0
     eval_every: int = 50
+    save_every: int = 0  # 0: only at the end (and at each new best)
 
     def validate(self) -> None:
         from .config import ConfigError
@@ -161,10 +164,74 @@ def evaluate_tau_sim(drafter, target, samples, cfg: TrainConfig, seed: int = 123
     return taus / max(1, n)
 
 
+def _save_state(out: Path, drafter, opt, step: int, order: list[int], rng: random.Random, best: float,
+                history: list[dict], extra: dict) -> None:
+    """out/last: the drafter checkpoint + optimizer / RNG / data position, all safetensors + JSON."""
+    from safetensors.torch import save_file
+
+    from .checkpoint import save_drafter
+
+    tensors, meta = {}, {"step": step, "order": order, "best": best, "history": history,
+                         "py_rng": _jsonable(rng.getstate()), "param_groups": []}
+    for gi, g in enumerate(opt.param_groups):
+        meta["param_groups"].append({k: v for k, v in g.items() if k != "params"})
+        for pi, p in enumerate(g["params"]):
+            for k, v in opt.state.get(p, {}).items():
+                tensors[f"opt.{gi}.{pi}.{k}"] = v.detach().cpu().contiguous() if torch.is_tensor(v) else torch.tensor(v)
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    ckpt = save_drafter(drafter, out / "last", extra=extra)
+    save_file(tensors, str(ckpt / "trainer_state.safetensors"))
+    (ckpt / "trainer_state.json").write_text(json.dumps(meta))
+
+
+def _jsonable(x):
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
+
+
+def _load_state(ckpt: Path, drafter, opt, rng: random.Random):
+    from safetensors.torch import load_file
+
+    from .checkpoint import CheckpointError, load_drafter
+
+    if not (ckpt / "trainer_state.json").is_file():
+        raise CheckpointError(f"{ckpt}: no trainer state to resume from (trainer_state.json)")
+    saved = load_drafter(ckpt)
+    if saved.config != drafter.config:
+        raise CheckpointError(f"{ckpt}: the saved drafter's config differs from this run's")
+    drafter.load_state_dict(saved.state_dict())
+    meta = json.loads((ckpt / "trainer_state.json").read_text())
+    tensors = load_file(str(ckpt / "trainer_state.safetensors"))
+    dev = next(drafter.parameters()).device
+    for gi, g in enumerate(opt.param_groups):
+        g.update(meta["param_groups"][gi])
+        for pi, p in enumerate(g["params"]):
+            st = {k.split(".", 3)[3]: v for k, v in tensors.items() if k.startswith(f"opt.{gi}.{pi}.")}
+            if st:
+                opt.state[p] = {k: (v.to(dev) if v.dim() else v) for k, v in st.items()}
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    rng.setstate(_tuplify(meta["py_rng"]))
+    return meta["step"], meta["order"], meta["best"], meta["history"]
+
+
 def train_drafter(drafter: DSpineDraftModel, target, samples: list[tuple[list[int], int]], cfg: TrainConfig,
-                  eval_samples=None, progress: bool = True, log=None) -> list[dict]:
-    """Train `drafter` in place on target-generated samples; returns the per-step log."""
+                  eval_samples=None, progress: bool = True, log=None, out: str | Path | None = None,
+                  resume: bool = False, extra: dict | None = None) -> list[dict]:
+    """Train `drafter` in place on target-generated samples; returns the per-step log.
+
+    With `out`: saves `out/last` (drafter + optimizer, RNG and data position: `resume=True` continues from
+    it exactly) and `out/best` (the drafter with the best held-out simulated τ so far).
+    """
     from tqdm.auto import tqdm
+
+    from .checkpoint import save_drafter
 
     cfg.validate()
     drafter.bind(target).train()
@@ -172,14 +239,22 @@ def train_drafter(drafter: DSpineDraftModel, target, samples: list[tuple[list[in
     torch.manual_seed(cfg.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    history = []
+    history: list[dict] = []
     order: list[int] = []
-    bar = tqdm(range(cfg.steps), desc=f"train {drafter.config.method}", disable=not progress)
+    start, best = 0, float("-inf")
+    out = Path(out) if out is not None else None
+    if resume:
+        if out is None:
+            raise ValueError("resume needs an output folder")
+        start, order, best, history = _load_state(out / "last", drafter, opt, rng)
+    extra = {**(extra or {}), "train": asdict(cfg)}
+    bar = tqdm(range(start, cfg.steps), desc=f"train {drafter.config.method}", disable=not progress,
+               initial=start, total=cfg.steps)
     for step in bar:
         if len(order) < cfg.batch_size:
-            extra = list(range(len(samples)))
-            rng.shuffle(extra)
-            order += extra
+            extra_order = list(range(len(samples)))
+            rng.shuffle(extra_order)
+            order += extra_order
         idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
         batch = make_batch([samples[i] for i in idx], cfg.anchors_per_seq, drafter.config.block_size,
                            cfg.max_len, rng, target.device)
@@ -197,13 +272,19 @@ def train_drafter(drafter: DSpineDraftModel, target, samples: list[tuple[list[in
         for k in ("cos", "redo"):
             if k in res:
                 row[k] = res[k].item()
-        if eval_samples and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+        last = step + 1 == cfg.steps
+        if eval_samples and ((step + 1) % cfg.eval_every == 0 or last):
             drafter.eval()
             row["eval_tau_sim"] = evaluate_tau_sim(drafter, target, eval_samples, cfg)
             drafter.train()
+            if out is not None and row["eval_tau_sim"] > best:
+                best = row["eval_tau_sim"]
+                save_drafter(drafter, out / "best", extra={**extra, "step": step + 1, "eval_tau_sim": best})
         history.append(row)
         bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_sim']:.2f}")
         if log is not None:
             log(row)
+        if out is not None and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+            _save_state(out, drafter, opt, step + 1, order, rng, best, history, extra)
     drafter.eval()
     return history

@@ -1,29 +1,98 @@
-"""Workload prompt sets shipped with dspine (data under workloads/data, sources in data/SOURCES.md)."""
+"""Workloads shipped with dspine: chat prompt pools for regeneration and the seven acceptance benchmarks
+(data under workloads/data, sources and licences in data/SOURCES.md).
+
+A benchmark item is a list of user turns (MT-Bench has two; the second is asked after the target's own
+reply to the first). Prompt formats follow DFlash's evaluation: math asks for step-by-step reasoning with a
+boxed answer, code shows the problem (and its tests or starter code).
+"""
 
 from __future__ import annotations
 
+import gzip
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
-def _sharegpt() -> list[str]:
-    rows = json.loads((DATA / "sharegpt" / "ShareGPT_V3_filtered_500.json").read_text())
-    return [r["conversations"][0]["value"] for r in rows if r.get("conversations")]
+@dataclass
+class Item:
+    id: str
+    turns: list[str]
 
 
-def _mt_bench() -> list[str]:
-    lines = (DATA / "mt_bench" / "question.jsonl").read_text().splitlines()
-    return [json.loads(line)["turns"][0] for line in lines if line.strip()]
+def _jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
-LOADERS = {"sharegpt": _sharegpt, "mt_bench": _mt_bench}
+def _sharegpt(name: str) -> list[Item]:
+    rows = json.loads((DATA / "sharegpt" / name).read_text())
+    return [Item(str(r.get("id", i)), [r["conversations"][0]["value"]]) for i, r in enumerate(rows)
+            if r.get("conversations")]
+
+
+def _gsm8k():
+    return [Item(f"gsm8k/{i}", [r["question"] + MATH_SUFFIX]) for i, r in enumerate(_jsonl(DATA / "gsm8k/test.jsonl"))]
+
+
+def _math500():
+    return [Item(r["unique_id"], [r["problem"] + MATH_SUFFIX]) for r in _jsonl(DATA / "math500/test_ori.jsonl")]
+
+
+def _humaneval():
+    return [Item(r["task_id"], ["Write a solution to the following problem and make sure that it passes the tests:\n"
+                                f"```python\n{r['prompt']}\n```"]) for r in _jsonl(DATA / "humaneval/HumanEval.jsonl.gz")]
+
+
+def _mbpp():
+    rows = json.loads((DATA / "mbpp/sanitized-mbpp.json").read_text())
+    return [Item(f"mbpp/{r['task_id']}", [f"{r['prompt']}\nYour code should pass these tests:\n" +
+                                          "\n".join(r["test_list"])]) for r in rows]
+
+
+def _livecodebench():
+    out = []
+    for r in _jsonl(DATA / "livecodebench/lcb.jsonl"):
+        q = r["question_content"]
+        if r.get("starter_code"):
+            q += f"\nYou will use the following starter code:\n```python\n{r['starter_code']}\n```"
+        else:
+            q += "\nRead the inputs from stdin, solve the problem and write the answer to stdout."
+        out.append(Item(f"lcb/{r['question_id']}", [q]))
+    return out
+
+
+def _mt_bench():
+    return [Item(f"mt_bench/{r['question_id']}", list(r["turns"])) for r in _jsonl(DATA / "mt_bench/question.jsonl")]
+
+
+def _arena_hard():
+    return [Item(r["uid"], [r["prompt"]]) for r in _jsonl(DATA / "arena_hard/question.jsonl")]
+
+
+BENCHMARKS = {"gsm8k": _gsm8k, "math500": _math500, "humaneval": _humaneval, "mbpp": _mbpp,
+              "livecodebench": _livecodebench, "mt_bench": _mt_bench, "arena_hard": _arena_hard}
+PROMPT_POOLS = {"sharegpt": lambda: _sharegpt("ShareGPT_V3_filtered_500.json"),
+                "sharegpt_3k": lambda: _sharegpt("sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json"),
+                "mt_bench": _mt_bench}
+
+
+def load_benchmark(name: str, limit: int | None = None) -> list[Item]:
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")
+    items = BENCHMARKS[name]()
+    return items[:limit] if limit else items
 
 
 def load_prompts(name: str, limit: int | None = None, max_chars: int | None = None) -> list[str]:
-    """First-turn user prompts of workload `name` (in file order), optionally capped in count and length."""
-    if name not in LOADERS:
-        raise ValueError(f"unknown workload {name!r}; known: {sorted(LOADERS)}")
-    prompts = [p for p in LOADERS[name]() if p.strip() and (max_chars is None or len(p) <= max_chars)]
+    """First-turn user prompts of a prompt pool or benchmark (file order), capped in count and length."""
+    loader = PROMPT_POOLS.get(name) or BENCHMARKS.get(name)
+    if loader is None:
+        raise ValueError(f"unknown workload {name!r}; known: {sorted(set(PROMPT_POOLS) | set(BENCHMARKS))}")
+    prompts = [it.turns[0] for it in loader()
+               if it.turns[0].strip() and (max_chars is None or len(it.turns[0]) <= max_chars)]
     return prompts[:limit] if limit else prompts

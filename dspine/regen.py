@@ -1,0 +1,184 @@
+"""`dspine regen`: target-regenerated responses, written as a Parquet dataset (loadable with `datasets`).
+
+The target answers each prompt itself (chat template applied, greedy by default, a fixed dtype: SmolLM2's
+greedy output differs between fp32 and bf16). Output folder:
+    part-00000.parquet ...   one row per answered prompt: id, prompt, thinking, prompt_ids, response_ids,
+                             response_text, finish_reason (each part written to a temp file, then renamed)
+    errors.jsonl             one line per prompt that could not be answered (id, error)
+    manifest.json            input / ok / error / skipped counts (ok + error + skipped == input) and settings
+Re-running with the same folder skips prompts already answered (resume after a crash or a larger --limit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .target import Target
+
+COLUMNS = ("id", "prompt", "thinking", "prompt_ids", "response_ids", "response_text", "finish_reason")
+
+
+class RegenError(ValueError):
+    """Regeneration cannot start (bad output folder, bad settings)."""
+
+
+@dataclass
+class RegenReport:
+    input: int
+    ok: int
+    error: int
+    skipped: int
+
+    def check(self) -> None:
+        assert self.ok + self.error + self.skipped == self.input, self
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def existing_ids(out: Path) -> set[str]:
+    import pyarrow.parquet as pq
+
+    ids: set[str] = set()
+    for part in sorted(out.glob("part-*.parquet")):
+        ids.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
+    return ids
+
+
+def _generate_batch(target: Target, batch: list[list[int]], max_new_tokens: int, temperature: float,
+                    seed: int) -> list[tuple[list[int], str]]:
+    """Left-padded batched generation -> (response ids without EOS, finish reason) per row."""
+    pad = target.tokenizer.pad_token_id if target.tokenizer and target.tokenizer.pad_token_id is not None else 0
+    L = max(map(len, batch))
+    dev = target.device
+    ids = torch.tensor([[pad] * (L - len(s)) + s for s in batch], device=dev)
+    mask = (torch.arange(L, device=dev)[None] >= torch.tensor([L - len(s) for s in batch], device=dev)[:, None])
+    torch.manual_seed(seed)
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    with torch.no_grad():
+        gen = target.model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=max_new_tokens,
+                                    pad_token_id=pad, **kw)
+    eos = target.eos_token_ids
+    out = []
+    for row in gen[:, L:].tolist():
+        resp, reason = [], "length"
+        for t in row:
+            if t in eos:
+                reason = "stop"
+                break
+            resp.append(t)
+        out.append((resp, reason))
+    return out
+
+
+def regenerate_dataset(target: Target, items: list[tuple[str, str]], out: str | Path, max_new_tokens: int = 256,
+                       batch_size: int = 16, temperature: float = 0.0, thinking: str = "none",
+                       part_size: int = 256, progress: bool = True, seed: int = 0) -> RegenReport:
+    """items: (id, prompt). Answers every prompt not already in `out`; returns the accounting."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm.auto import tqdm
+
+    if max_new_tokens <= 0 or batch_size <= 0:
+        raise RegenError("max_new_tokens and batch_size must be positive")
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".probe-")
+        probe.close()
+    except OSError as e:
+        raise RegenError(f"cannot write to {out}: {e.strerror or e}") from None
+    ids_seen = [i for i, _ in items]
+    if len(set(ids_seen)) != len(ids_seen):
+        raise RegenError("prompt ids are not unique")
+    done = existing_ids(out)
+    todo = [(i, p) for i, p in items if i not in done]
+    report = RegenReport(input=len(items), ok=0, error=0, skipped=len(items) - len(todo))
+    errors: list[dict] = []
+    rows: list[dict] = []
+    next_part = len(list(out.glob("part-*.parquet")))
+
+    def flush():
+        nonlocal rows, next_part
+        if not rows:
+            return
+        table = pa.table({c: [r[c] for r in rows] for c in COLUMNS})
+        _atomic_write(out / f"part-{next_part:05d}.parquet", lambda p: pq.write_table(table, p))
+        next_part += 1
+        rows = []
+
+    max_ctx = target.info.max_position_embeddings
+    encoded = []
+    for i, p in todo:
+        try:
+            if not isinstance(p, str) or not p.strip():
+                raise ValueError("empty prompt")
+            ids = target.chat_ids([{"role": "user", "content": p}])
+            if len(ids) + max_new_tokens > max_ctx:
+                raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new exceeds the context {max_ctx}")
+            encoded.append((i, p, ids))
+        except ValueError as e:
+            errors.append({"id": i, "error": str(e)})
+    encoded.sort(key=lambda x: len(x[2]))  # similar lengths batch together (less padding)
+    bar = tqdm(total=len(todo), desc="regen", disable=not progress)
+    bar.update(len(errors))
+    for b in range(0, len(encoded), batch_size):
+        chunk = encoded[b: b + batch_size]
+        try:
+            res = _generate_batch(target, [c[2] for c in chunk], max_new_tokens, temperature, seed + b)
+        except (RuntimeError, ValueError) as e:  # e.g. out of memory: record, carry on
+            errors.extend({"id": i, "error": f"{type(e).__name__}: {e}"} for i, _, _ in chunk)
+            bar.update(len(chunk))
+            continue
+        for (i, p, ids), (resp, reason) in zip(chunk, res):
+            rows.append({"id": i, "prompt": p, "thinking": thinking, "prompt_ids": ids, "response_ids": resp,
+                         "response_text": target.decode(resp), "finish_reason": reason})
+        if len(rows) >= part_size:
+            flush()
+        bar.update(len(chunk))
+    flush()
+    bar.close()
+    report.ok = len(todo) - len(errors)
+    report.error = len(errors)
+    report.check()
+    if errors:
+        with open(out / "errors.jsonl", "a") as f:
+            for e in errors:
+                f.write(json.dumps(e) + "\n")
+    manifest = {**report.__dict__, "target": target.name, "dtype": str(target.dtype).replace("torch.", ""),
+                "max_new_tokens": max_new_tokens, "temperature": temperature, "thinking": thinking,
+                "answered_total": len(existing_ids(out))}
+    _atomic_write(out / "manifest.json", lambda p: Path(p).write_text(json.dumps(manifest, indent=1) + "\n"))
+    return report
+
+
+def load_samples(path: str | Path, min_response: int = 1) -> list[tuple[list[int], int]]:
+    """A regen folder -> [(prompt + response ids, index of the first response token)]."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    parts = sorted(path.glob("part-*.parquet"))
+    if not parts:
+        raise RegenError(f"{path}: no regenerated data (part-*.parquet); run `dspine regen` first")
+    out = []
+    for part in parts:
+        t = pq.read_table(part, columns=["prompt_ids", "response_ids"])
+        for p, r in zip(t.column("prompt_ids").to_pylist(), t.column("response_ids").to_pylist()):
+            if len(r) >= min_response:
+                out.append((list(p) + list(r), len(p)))
+    return out
