@@ -1,0 +1,49 @@
+"""GPU acceptance recipe (DESIGN.md §1.4: same data, steps, layers, block size and seed for every method).
+
+On one H200, two commands (each under the device's 10-minute limit; /tmp survives between them):
+    python bench/recipe.py --stage train --work /tmp/recipe
+    python bench/recipe.py --stage eval --work /tmp/recipe --out $OUT/acceptance.json
+CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
+Overrides: dotted keys of dspine.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dspine.config import apply_overrides, from_dict  # noqa: E402
+from dspine.recipe import (RecipeConfig, acceptance_summary, run_eval_stage, run_train_stage,  # noqa: E402
+                           update_summary)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=("train", "eval", "all"), required=True)
+    ap.add_argument("--work", required=True, help="folder for the dataset and the trained drafters")
+    ap.add_argument("--out", help="eval JSON (a .md table beside it)")
+    ap.add_argument("--summary", help="summary.json whose acceptance section the eval stage rewrites")
+    ap.add_argument("--tiny", action="store_true", help="the CPU-test-sized recipe")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    base = asdict(RecipeConfig.cpu_tiny() if a.tiny else RecipeConfig())
+    cfg = from_dict(RecipeConfig, apply_overrides(base, a.overrides), "recipe")
+    if a.stage in ("train", "all"):
+        rep = run_train_stage(cfg, a.work, progress=not a.no_progress)
+        print(json.dumps(rep, indent=1))
+    if a.stage in ("eval", "all"):
+        if not a.out:
+            ap.error("--out is needed for the eval stage")
+        doc = run_eval_stage(cfg, a.work, a.out, progress=not a.no_progress)
+        print(Path(a.out).with_suffix(".md").read_text())
+        if a.summary:
+            update_summary(a.summary, "acceptance", acceptance_summary(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
