@@ -271,7 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     from .regen import RegenError
     from .target import TargetError
 
-    a = _parser().parse_args(argv)
+    parser = _parser()
+    a, rest = parser.parse_known_args(argv)
+    # dotted overrides may come after later options (argparse stops collecting positionals there)
+    extra = [r for r in rest if "=" in r and not r.startswith("-")]
+    if len(extra) != len(rest) or (extra and not hasattr(a, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(r for r in rest if r not in extra or not hasattr(a, 'overrides'))}")
+    if extra:
+        a.overrides += extra
     try:
         return {"generate": cmd_generate, "regen": cmd_regen, "train": cmd_train, "eval": cmd_eval}[a.verb](a)
     except (CheckpointError, ConfigError, RequestError, TargetError, UsageError, RegenError) as e:

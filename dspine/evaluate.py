@@ -28,11 +28,16 @@ from .stats import AcceptanceStats, summarize
 
 
 def git_sha() -> str:
+    """The checkout's commit; DSPINE_GIT_SHA where the tree travels without its history (the GPU machine)."""
+    import os
+    import re
+
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip()
     except OSError:
-        return "unknown"
+        sha = ""
+    return sha if re.fullmatch(r"[0-9a-f]{40}", sha) else os.environ.get("DSPINE_GIT_SHA", "unknown")
 
 
 def hardware() -> str:

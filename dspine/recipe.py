@@ -49,9 +49,9 @@ class RecipeConfig:
 
     @classmethod
     def cpu_tiny(cls) -> "RecipeConfig":
-        return cls(device="cpu", workload="sharegpt", num_prompts=48, max_new_tokens=32, regen_batch=16, layers=1,
-                   block_size=8, train=TrainConfig(steps=30, batch_size=4, anchors_per_seq=8, max_len=256, lr=2e-3,
-                                                   warmup_steps=5, gamma=3.5, eval_every=30),
+        return cls(device="cpu", workload="sharegpt", num_prompts=32, max_new_tokens=32, regen_batch=16, layers=1,
+                   block_size=8, train=TrainConfig(steps=24, batch_size=4, anchors_per_seq=8, max_len=256, lr=2e-3,
+                                                   warmup_steps=5, gamma=3.5, eval_every=24),
                    eval_benchmarks=["gsm8k", "mt_bench"], eval_limit=1, eval_max_new_tokens=16,
                    eval_temperatures=[0.0])
 
