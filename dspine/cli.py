@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--method", choices=METHODS[1:], default="dspine", help="drafter variant (default: %(default)s)")
     t.add_argument("--out", required=True, help="run folder: best/, last/, log.jsonl")
     t.add_argument("--data", help="regen dataset folder (part-*.parquet)")
-    t.add_argument("--workload", default="sharegpt", help="without --data: prompts to regenerate (default: %(default)s)")
+    t.add_argument("--workload", default="sharegpt",
+                   help="without --data: prompts to regenerate into OUT/data (default: %(default)s)")
     t.add_argument("--num-prompts", type=int, default=32, help="without --data: prompts (default: %(default)s)")
     t.add_argument("--max-new-tokens", type=int, default=96, help="without --data: response length (default: %(default)s)")
     t.add_argument("--layers", type=int, default=5, help="drafter layers (default: %(default)s)")
@@ -184,10 +185,8 @@ def cmd_train(a) -> int:
 
     from .checkpoint import load_drafter
     from .config import apply_overrides, from_dict
-    from .data import regenerate
     from .drafter import DSpineDraftModel
-    from .regen import load_samples
-    from .sampling import SamplingParams
+    from .regen import load_samples, regenerate_dataset
     from .target import load_target
     from .train import TrainConfig, evaluate_tau_sim, train_drafter
 
@@ -202,10 +201,11 @@ def cmd_train(a) -> int:
         raise UsageError(f"--resume: {out / 'last'} holds no trainer state")
     pairs = load_samples(a.data) if a.data else None  # fail on a missing dataset before loading the target
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
-    if pairs is None:
+    if pairs is None:  # regenerate a few prompts on the spot, into out/data
         prompts = load_prompts(a.workload, limit=a.num_prompts, max_chars=600)
-        samples = regenerate(target, prompts, SamplingParams(max_tokens=a.max_new_tokens), progress=not a.no_progress)
-        pairs = [s.as_pair() for s in samples]
+        regenerate_dataset(target, [(f"{a.workload}/{i}", p) for i, p in enumerate(prompts)], out / "data",
+                           max_new_tokens=a.max_new_tokens, batch_size=8, progress=not a.no_progress)
+        pairs = load_samples(out / "data")
     n_eval = max(1, min(64, len(pairs) // 8))
     train_pairs, eval_pairs = pairs[n_eval:], pairs[:n_eval]
     drafter = DSpineDraftModel.for_target(target, method=a.method, num_hidden_layers=a.layers,

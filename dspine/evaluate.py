@@ -23,6 +23,7 @@ from workloads import load_benchmark
 
 from .checkpoint import config_to_json
 from .engine import Engine
+from .io import atomic_write_text
 from .sampling import SamplingParams
 from .stats import AcceptanceStats, summarize
 
@@ -145,14 +146,7 @@ def markdown_table(doc: dict) -> str:
 
 def write_results(doc: dict, out: str | Path) -> Path:
     """JSON + a Markdown table beside it (temp files, then renames)."""
-    import os
-    import tempfile
-
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out, json.dumps(doc, indent=1) + "\n"), (out.with_suffix(".md"), markdown_table(doc))):
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+    atomic_write_text(out, json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(out.with_suffix(".md"), markdown_table(doc))
     return out

@@ -20,6 +20,7 @@ from workloads import BENCHMARKS, load_prompts
 from .checkpoint import load_drafter, save_drafter
 from .drafter import DSpineDraftModel
 from .evaluate import evaluate, write_results
+from .io import atomic_write_text
 from .regen import load_samples, regenerate_dataset
 from .target import load_target
 from .train import TrainConfig, evaluate_tau_sim, train_drafter
@@ -86,7 +87,7 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True) 
                              "s_per_step": secs / len(hist), "loss_first": hist[0]["loss"],
                              "loss_last": hist[-1]["loss"]}
     out["timings"] = timings
-    (work / "train_report.json").write_text(json.dumps(out, indent=1))
+    atomic_write_text(work / "train_report.json", json.dumps(out, indent=1))
     return out
 
 
@@ -114,13 +115,7 @@ def acceptance_summary(doc: dict) -> dict:
 
 def update_summary(path: str | Path, section: str, value: dict) -> None:
     """Replace one section of summary.json, keeping the others (temp file, then rename)."""
-    import os
-    import tempfile
-
     path = Path(path)
     data = json.loads(path.read_text()) if path.is_file() else {}
     data[section] = value
-    fd, tmp = tempfile.mkstemp(prefix=".summary-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")

@@ -12,13 +12,13 @@ Re-running with the same folder skips prompts already answered (resume after a c
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .io import atomic_write, atomic_write_text
 from .target import Target
 
 COLUMNS = ("id", "prompt", "thinking", "prompt_ids", "response_ids", "response_text", "finish_reason")
@@ -37,17 +37,6 @@ class RegenReport:
 
     def check(self) -> None:
         assert self.ok + self.error + self.skipped == self.input, self
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def existing_ids(out: Path) -> set[str]:
@@ -118,7 +107,7 @@ def regenerate_dataset(target: Target, items: list[tuple[str, str]], out: str | 
         if not rows:
             return
         table = pa.table({c: [r[c] for r in rows] for c in COLUMNS})
-        _atomic_write(out / f"part-{next_part:05d}.parquet", lambda p: pq.write_table(table, p))
+        atomic_write(out / f"part-{next_part:05d}.parquet", lambda p: pq.write_table(table, p))
         next_part += 1
         rows = []
 
@@ -163,7 +152,7 @@ def regenerate_dataset(target: Target, items: list[tuple[str, str]], out: str | 
     manifest = {**report.__dict__, "target": target.name, "dtype": str(target.dtype).replace("torch.", ""),
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "thinking": thinking,
                 "answered_total": len(existing_ids(out))}
-    _atomic_write(out / "manifest.json", lambda p: Path(p).write_text(json.dumps(manifest, indent=1) + "\n"))
+    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return report
 
 
