@@ -82,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
     t.add_argument("overrides", nargs="*", metavar="train.KEY=VALUE",
                    help="dotted overrides of the training config (keys: see dspine.train.TrainConfig)")
+    s = sub.add_parser("serve", help="OpenAI-compatible server over the embedded engine",
+                       description="Serve /v1/chat/completions, /v1/completions (streaming and not), /v1/models, "
+                                   "/health and /metrics over the embedded engine, answering acceptance in SGLang's "
+                                   "shape (return_spec_tokens_details / return_meta_info).")
+    _add_target(s)
+    s.add_argument("--drafter", help="drafter checkpoint; without it the server decodes AR")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--served-model-name", default="dspine", help="the model id clients ask for (default: %(default)s)")
+    s.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: context - 1)")
+
     e = sub.add_parser("eval", help="acceptance per benchmark for AR and any set of drafters",
                        description="Decode benchmark prompts through the engine with AR and each drafter, at each "
                                    "temperature; write JSON (git sha, command, hardware, config hashes) and a "
@@ -230,6 +241,19 @@ def cmd_train(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from .checkpoint import load_drafter
+    from .engine import Engine
+    from .server import ServeConfig, serve
+    from .target import load_target
+
+    target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
+    drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device) if a.drafter else None
+    serve(Engine(target, drafter), a.host, a.port, ServeConfig(a.served_model_name, a.max_prompt_tokens),
+          drafter_name=a.drafter)
+    return 0
+
+
 def cmd_eval(a) -> int:
     import os
 
@@ -280,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         a.overrides += extra
     try:
-        return {"generate": cmd_generate, "regen": cmd_regen, "train": cmd_train, "eval": cmd_eval}[a.verb](a)
+        return {"generate": cmd_generate, "regen": cmd_regen, "train": cmd_train, "eval": cmd_eval,
+                "serve": cmd_serve}[a.verb](a)
     except (CheckpointError, ConfigError, RequestError, TargetError, UsageError, RegenError) as e:
         print(f"dspine {a.verb}: error: {e}", file=sys.stderr)
         return 2

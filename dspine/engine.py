@@ -28,7 +28,7 @@ from .verify import verify_greedy, verify_sampled
 class GenerationResult:
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int
     method: str
     stats: AcceptanceStats | None = None
@@ -43,8 +43,8 @@ class GenerationResult:
 class _Stopper:
     """Appends tokens one at a time and decides when generation ends, identically for every method."""
 
-    def __init__(self, target: Target, params: SamplingParams):
-        self.target, self.params = target, params
+    def __init__(self, target: Target, params: SamplingParams, on_token=None):
+        self.target, self.params, self.on_token = target, params, on_token
         self.eos = set() if params.ignore_eos else target.eos_token_ids
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
@@ -55,6 +55,9 @@ class _Stopper:
             self.finish_reason = "stop"
             return True
         self.tokens.append(tok)
+        if self.on_token is not None and self.on_token(tok) is False:  # the client went away
+            self.finish_reason = "abort"
+            return True
         if self.params.stop:
             text = self.target.decode(self.tokens)
             hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
@@ -126,7 +129,8 @@ class Engine:
         return int(sample(warp_probs(logits, params), gen))
 
     @torch.no_grad()
-    def generate(self, prompt, params: SamplingParams | None = None) -> GenerationResult:
+    def generate(self, prompt, params: SamplingParams | None = None, on_token=None) -> GenerationResult:
+        """`on_token(token_id)` sees every committed token as it is committed; returning False aborts."""
         params = (params or SamplingParams()).validate()
         ids = self.prompt_ids(prompt)
         gen = torch.Generator(device=self.target.device)
@@ -137,7 +141,7 @@ class Engine:
         layer_ids = self.drafter.config.target_layer_ids if spec else None
         B = self.drafter.config.block_size if spec else 1
         stats = AcceptanceStats(B) if spec else None
-        stop = _Stopper(tgt, params)
+        stop = _Stopper(tgt, params, on_token)
 
         cache = tgt.new_cache()
         logits, feats = tgt.forward(torch.tensor([ids], device=dev), cache, layer_ids)

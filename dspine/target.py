@@ -198,11 +198,11 @@ class Target:
         return out.logits.float(), feats
 
     # ---- text ------------------------------------------------------------------------------------------
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         if self.tokenizer is None:
             raise TargetError("this target has no tokenizer")
         enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
+                                                 tokenize=True, **template_kwargs)
         if hasattr(enc, "keys") and "input_ids" in enc:
             enc = enc["input_ids"]
         return [int(t) for t in enc]

@@ -1,0 +1,138 @@
+"""The real `dspine serve` process on 127.0.0.1: OpenAI shapes, SGLang's acceptance fields, streaming,
+records and metrics, and one clear 4xx per kind of bad input with the server staying up."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from dspine.checkpoint import save_drafter
+from dspine.engine import Engine
+from dspine.sampling import SamplingParams
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_drafters):
+    ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp_path_factory.mktemp("srv") / "dspine")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dspine.cli", "serve", "--drafter", str(ckpt), "--port", str(port),
+                             "--served-model-name", "smol", "--max-prompt-tokens", "200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=1).status == 200:
+                break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stdout.read().decode()[-3000:])
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not come up")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def post(base, path, body, raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), dict(e.headers)
+
+
+def get(base, path):
+    with urllib.request.urlopen(base + path, timeout=30) as r:
+        return r.read().decode()
+
+
+CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24,
+        "temperature": 0}
+
+
+def test_chat_returns_acceptance_in_sglang_shape(server, smollm2):
+    status, body, headers = post(server, "/v1/chat/completions",
+                                 {**CHAT, "return_spec_tokens_details": True, "return_meta_info": True,
+                                  "metadata": {"workload": "swe"}, "reasoning_effort": "none"})
+    assert status == 200, body
+    j = json.loads(body)
+    assert j["object"] == "chat.completion" and j["choices"][0]["message"]["role"] == "assistant"
+    spec = j["sglext"]["spec_tokens_details"]
+    assert 1.0 <= spec["spec_accept_length"] <= 16 and spec["spec_verify_ct"] >= 1
+    for k in ("spec_accept_rate", "spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_correct_drafts_histogram"):
+        assert k in spec and k in j["meta_info"]
+    assert spec["spec_num_proposed_drafts"] == 15 * spec["spec_verify_ct"]
+    # lossless through the server: greedy text equals the target alone
+    want = Engine(smollm2).generate(CHAT["messages"], SamplingParams(max_tokens=24))
+    assert j["choices"][0]["message"]["content"] == want.text
+    rec = json.loads(get(server, f"/v1/dspine/requests/{j['id']}"))
+    assert rec["workload"] == "swe" and rec["thinking"] == "none" and rec["spec"] == spec
+    assert headers["x-dspine-request-id"] == j["id"]
+
+
+def test_streaming_matches_non_streaming(server):
+    _, body, _ = post(server, "/v1/chat/completions", CHAT)
+    full = json.loads(body)["choices"][0]["message"]["content"]
+    status, body, headers = post(server, "/v1/chat/completions", {**CHAT, "stream": True,
+                                                                  "return_spec_tokens_details": True})
+    assert status == 200
+    events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert body.rstrip().endswith("data: [DONE]") and len(events) >= 2
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == full
+    last = events[-1]
+    assert last["choices"][0]["finish_reason"] in ("stop", "length") and "usage" in last
+    rec = json.loads(get(server, f"/v1/dspine/requests/{headers['x-dspine-request-id']}"))
+    assert rec["spec"] == last["sglext"]["spec_tokens_details"]
+
+
+def test_completions_models_metrics_and_effort(server):
+    status, body, _ = post(server, "/v1/completions", {"model": "smol", "prompt": "The sky is", "max_tokens": 8,
+                                                       "temperature": 0})
+    assert status == 200 and json.loads(body)["object"] == "text_completion"
+    models = json.loads(get(server, "/v1/models"))
+    assert models["data"][0]["id"] == "smol" and models["data"][0]["method"] == "dspine"
+    _, b_none, _ = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "reasoning_effort": "none"})
+    _, b_high, _ = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "reasoning_effort": "high",
+                                                         "metadata": {"workload": "office"}})
+    high = json.loads(b_high)
+    assert high["usage"]["prompt_tokens"] > json.loads(b_none)["usage"]["prompt_tokens"]  # the budget instruction
+    assert json.loads(get(server, f"/v1/dspine/requests/{high['id']}"))["thinking"] == "high"
+    metrics = get(server, "/metrics")
+    assert 'dspine_requests_total{method="dspine",thinking="high",workload="office"} 1.0' in metrics
+    assert "dspine_accept_length_bucket" in metrics
+
+
+BAD = [
+    ("malformed JSON", None, b"{not json", 400, "not valid JSON"),
+    ("unknown model", {**CHAT, "model": "gpt-9"}, None, 404, "does not exist"),
+    ("negative max_tokens", {**CHAT, "max_tokens": -5}, None, 400, "max_tokens"),
+    ("temperature < 0", {**CHAT, "temperature": -0.1}, None, 400, "temperature"),
+    ("oversized prompt", {**CHAT, "messages": [{"role": "user", "content": "word " * 400}]}, None, 400, "at most 200"),
+    ("invalid reasoning_effort", {**CHAT, "reasoning_effort": "extreme"}, None, 400, "reasoning_effort"),
+    ("missing messages", {"model": "smol", "max_tokens": 4}, None, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,body,raw,status,needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_refused_and_server_stays_up(server, name, body, raw, status, needle):
+    got, text, _ = post(server, "/v1/chat/completions", body, raw)
+    assert got == status, text
+    err = json.loads(text)["error"]
+    assert needle in err["message"]
+    assert json.loads(get(server, "/health"))["status"] == "ok"
