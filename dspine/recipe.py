@@ -37,6 +37,7 @@ class RecipeConfig:
     num_prompts: int = 3000
     max_new_tokens: int = 256
     regen_batch: int = 256
+    heldout: int = 64  # regenerated samples kept out of training for simulated τ
     layers: int = 5
     block_size: int = 16
     methods: list[str] = field(default_factory=lambda: list(METHODS))
@@ -50,9 +51,10 @@ class RecipeConfig:
 
     @classmethod
     def cpu_tiny(cls) -> "RecipeConfig":
-        return cls(device="cpu", workload="sharegpt", num_prompts=32, max_new_tokens=32, regen_batch=16, layers=1,
-                   block_size=8, train=TrainConfig(steps=24, batch_size=4, anchors_per_seq=8, max_len=256, lr=2e-3,
-                                                   warmup_steps=5, gamma=3.5, eval_every=24),
+        return cls(device="cpu", workload="sharegpt", num_prompts=40, max_new_tokens=32, regen_batch=20, heldout=8,
+                   layers=1, block_size=8,
+                   train=TrainConfig(steps=40, batch_size=4, anchors_per_seq=8, max_len=256, lr=3e-3, warmup_steps=5,
+                                     gamma=3.5, eval_every=20),
                    eval_benchmarks=["gsm8k", "mt_bench"], eval_limit=1, eval_max_new_tokens=16,
                    eval_temperatures=[0.0])
 
@@ -69,8 +71,7 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True) 
                              max_new_tokens=cfg.max_new_tokens, batch_size=cfg.regen_batch, progress=progress)
     timings["regen_s"] = time.time() - t0
     pairs = [p for p in load_samples(work / "data") if p[1] < cfg.train.max_len - 16]
-    n_eval = max(2, min(64, len(pairs) // 16))
-    eval_pairs, train_pairs = pairs[:n_eval], pairs[n_eval:]
+    eval_pairs, train_pairs = pairs[: cfg.heldout], pairs[cfg.heldout:]
     out = {"regen": asdict(rep), "samples": len(train_pairs), "heldout": len(eval_pairs), "methods": {}}
     for m in cfg.methods:
         d = DSpineDraftModel.for_target(target, method=m, num_hidden_layers=cfg.layers, block_size=cfg.block_size,
