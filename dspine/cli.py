@@ -125,11 +125,12 @@ def cmd_generate(a) -> int:
     from .sampling import SamplingParams
     from .target import load_target
 
-    method = a.method or ("ar" if not a.drafter else read_config(a.drafter).method)
+    saved = read_config(a.drafter).method if a.drafter else None
+    method = a.method or saved or "ar"
     if method != "ar" and not a.drafter:
         raise UsageError(f"--method {method} needs --drafter CHECKPOINT")
-    if method != "ar" and read_config(a.drafter).method != method:
-        raise UsageError(f"checkpoint {a.drafter} is a {read_config(a.drafter).method!r} drafter, not {method!r}")
+    if method != "ar" and saved != method:
+        raise UsageError(f"checkpoint {a.drafter} is a {saved!r} drafter, not {method!r}")
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = None
     if method != "ar":
