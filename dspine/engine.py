@@ -55,15 +55,16 @@ class _Stopper:
             self.finish_reason = "stop"
             return True
         self.tokens.append(tok)
-        if self.on_token is not None and self.on_token(tok) is False:  # the client went away
-            self.finish_reason = "abort"
-            return True
         if self.params.stop:
             text = self.target.decode(self.tokens)
             hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
             if hits:
                 self.text, self.finish_reason = text[: min(hits)], "stop"
                 return True
+        # after the stop-string check, so a stream never shows the stop string
+        if self.on_token is not None and self.on_token(tok) is False:  # the client went away
+            self.finish_reason = "abort"
+            return True
         if len(self.tokens) >= self.params.max_tokens:
             self.finish_reason = "length"
             return True

@@ -101,6 +101,17 @@ def test_streaming_matches_non_streaming(server):
     assert rec["spec"] == last["sglext"]["spec_tokens_details"]
 
 
+def test_streaming_with_stop_string(server):
+    body = {**CHAT, "max_tokens": 40, "stop": [","]}
+    _, full, _ = post(server, "/v1/chat/completions", body)
+    full = json.loads(full)["choices"][0]
+    _, streamed, _ = post(server, "/v1/chat/completions", {**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert full["finish_reason"] == "stop" and "," not in full["message"]["content"]
+    assert text == full["message"]["content"] and events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 def test_completions_models_metrics_and_effort(server):
     status, body, _ = post(server, "/v1/completions", {"model": "smol", "prompt": "The sky is", "max_tokens": 8,
                                                        "temperature": 0})
