@@ -40,6 +40,13 @@ class GenerationResult:
         return len(self.token_ids)
 
 
+def verify(prop, logits: torch.Tensor, params: SamplingParams, gen, sampled_verifier=verify_sampled):
+    """Proposal + target logits (N, B, V) at [anchor, drafts] -> (accepted (N,), next token (N,))."""
+    if params.greedy:
+        return verify_greedy(prop.tokens, logits)
+    return sampled_verifier(prop.tokens, prop.q, warp_probs(logits, params), gen)
+
+
 class _Stopper:
     """Appends tokens one at a time and decides when generation ends, identically for every method."""
 
@@ -172,10 +179,7 @@ class Engine:
             drafts = prop.tokens  # (1, B-1)
             logits, feats = tgt.forward(torch.cat([torch.tensor([[anchor]], device=dev), drafts], 1),
                                         cache, layer_ids)
-            if params.greedy:
-                n_acc, nxt = verify_greedy(drafts, logits)
-            else:
-                n_acc, nxt = verify_sampled(drafts, prop.q, warp_probs(logits, params), gen)
+            n_acc, nxt = verify(prop, logits, params, gen)
             n = int(n_acc[0])
             stats.record(n)
             tgt.crop_cache(cache, P + n + 1)
@@ -211,8 +215,5 @@ def speculative_step(target: Target, drafter: DSpineDraftModel, seqs: torch.Tens
     prop = propose(drafter, out, params, generator)
     logits, _ = target.forward(torch.cat([seqs, prop.tokens], 1), None)
     logits = logits[:, L - 1:]
-    if params.greedy:
-        n_acc, nxt = verify_greedy(prop.tokens, logits)
-    else:
-        n_acc, nxt = verifier(prop.tokens, prop.q, warp_probs(logits, params), generator)
+    n_acc, nxt = verify(prop, logits, params, generator, verifier)
     return n_acc, prop.tokens, nxt

@@ -151,7 +151,7 @@ def regenerate_dataset(target: Target, items: list[tuple[str, str]], out: str | 
                 f.write(json.dumps(e) + "\n")
     manifest = {**report.__dict__, "target": target.name, "dtype": str(target.dtype).replace("torch.", ""),
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "thinking": thinking,
-                "answered_total": len(existing_ids(out))}
+                "answered_total": len(done) + report.ok}
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return report
 
