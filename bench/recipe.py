@@ -1,6 +1,7 @@
 """GPU acceptance recipe (DESIGN.md §1.4: same data, steps, layers, block size and seed for every method).
 
-On one H200, two commands (each under the device's 10-minute limit; /tmp survives between them):
+On one H200, three commands (each under the device's 10-minute limit; /tmp survives between them):
+    python bench/recipe.py --stage regen --work /tmp/recipe
     python bench/recipe.py --stage train --work /tmp/recipe
     python bench/recipe.py --stage eval --work /tmp/recipe --out $OUT/acceptance.json
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
@@ -16,13 +17,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspine.config import apply_overrides, from_dict  # noqa: E402
-from dspine.recipe import (RecipeConfig, acceptance_summary, run_eval_stage, run_train_stage,  # noqa: E402
-                           update_summary)
+from dspine.recipe import (RecipeConfig, acceptance_summary, run_eval_stage, run_regen_stage,  # noqa: E402
+                           run_train_stage, update_summary)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("train", "eval", "all"), required=True)
+    ap.add_argument("--stage", choices=("regen", "train", "eval", "all"), required=True)
     ap.add_argument("--work", required=True, help="folder for the dataset and the trained drafters")
     ap.add_argument("--out", help="eval JSON (a .md table beside it)")
     ap.add_argument("--summary", help="summary.json whose acceptance section the eval stage rewrites")
@@ -32,6 +33,8 @@ def main() -> int:
     a = ap.parse_args()
     base = asdict(RecipeConfig.cpu_tiny() if a.tiny else RecipeConfig())
     cfg = from_dict(RecipeConfig, apply_overrides(base, a.overrides), "recipe")
+    if a.stage == "regen":
+        print(json.dumps(run_regen_stage(cfg, a.work, progress=not a.no_progress), indent=1))
     if a.stage in ("train", "all"):
         rep = run_train_stage(cfg, a.work, progress=not a.no_progress)
         print(json.dumps(rep, indent=1))

@@ -64,50 +64,92 @@ def run_item(engine: Engine, turns: list[str], params: SamplingParams) -> tuple[
     return tokens, stats
 
 
+def eval_item(engines: dict, item, temperatures: list[float], max_new_tokens: int, seed: int) -> dict:
+    """One benchmark item through every engine at every temperature -> {"T0": {method: (tokens, stats, s)}}."""
+    out = {}
+    for T in temperatures:
+        cell = {}
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            toks, stats = run_item(eng, item.turns, SamplingParams(max_tokens=max_new_tokens, temperature=T, seed=seed))
+            cell[name] = (toks, stats, time.perf_counter() - t0)
+        out[f"T{T:g}"] = cell
+    return out
+
+
 def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperatures: list[float],
-             max_new_tokens: int, seed: int = 0, progress: bool = True) -> dict:
-    """drafters: name -> DSpineDraftModel. Returns {"results": {bench: {"T0": {method: {...}}}}, ...}."""
+             max_new_tokens: int, seed: int = 0, progress: bool = True, workers: int = 1,
+             target_spec: tuple | None = None, drafter_paths: dict | None = None) -> dict:
+    """drafters: name -> DSpineDraftModel. Returns {"results": {bench: {"T0": {method: {...}}}}, ...}.
+
+    workers > 1 runs items in that many processes (the engine is batch-1 and launch-bound, so on a GPU
+    several processes share it well); they rebuild the models from `target_spec` = (spec, dtype, device)
+    and `drafter_paths` (name -> checkpoint folder). Results are identical to workers=1.
+    """
     from tqdm.auto import tqdm
 
-    engines = {"ar": Engine(target), **{n: Engine(target, d) for n, d in drafters.items()}}
-    results: dict = {}
-    total = sum(len(load_benchmark(b, limit)) for b in benchmarks) * len(temperatures) * len(engines)
-    bar = tqdm(total=total, desc="eval", disable=not progress)
+    units = [(b, i, it) for b in benchmarks for i, it in enumerate(load_benchmark(b, limit))]
+    per_item: dict = {}
+    bar = tqdm(total=len(units), desc="eval", disable=not progress)
+    if workers <= 1:
+        engines = {"ar": Engine(target), **{n: Engine(target, d) for n, d in drafters.items()}}
+        for b, i, it in units:
+            per_item[b, i] = eval_item(engines, it, temperatures, max_new_tokens, seed + i)
+            bar.update(1)
+    else:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        if target_spec is None or drafter_paths is None:
+            raise ValueError("parallel evaluation needs target_spec and drafter_paths")
+        threads = max(1, (torch.get_num_threads() if target_spec[2] == "cpu" else 2 * workers) // workers)
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                    initargs=(target_spec, drafter_paths, threads)) as pool:
+            futs = {pool.submit(_worker_item, it, temperatures, max_new_tokens, seed + i): (b, i)
+                    for b, i, it in units}
+            for f in cf.as_completed(futs):
+                per_item[futs[f]] = f.result()
+                bar.update(1)
+    bar.close()
+    results = {}
     for bench in benchmarks:
-        items = load_benchmark(bench, limit)
+        n = sum(1 for b, _, _ in units if b == bench)
         results[bench] = {}
         for T in temperatures:
             key = f"T{T:g}"
-            cell: dict = {}
-            ar_tokens: list[list[int]] = []
-            for name, eng in engines.items():
-                t0 = time.perf_counter()
-                per_req, match, ntok = [], 0, 0
-                for i, item in enumerate(items):
-                    params = SamplingParams(max_tokens=max_new_tokens, temperature=T, seed=seed + i)
-                    toks, stats = run_item(eng, item.turns, params)
-                    ntok += len(toks)
-                    if name == "ar":
-                        ar_tokens.append(toks)
-                    else:
-                        per_req.append(stats)
-                        match += toks == ar_tokens[i]
-                    bar.update(1)
-                secs = time.perf_counter() - t0
-                if name == "ar":
-                    cell[name] = {"tau_mean": 1.0, "tau_pooled": 1.0, "requests": len(items), "tokens": ntok,
-                                  "seconds": secs}
-                else:
-                    s = summarize(per_req)
-                    cell[name] = {**s, "tokens": ntok, "seconds": secs}
-                    if T == 0:
-                        cell[name]["exact_match_with_ar"] = f"{match}/{len(items)}"
+            rows = [per_item[bench, i][key] for i in range(n)]
+            cell = {"ar": {"tau_mean": 1.0, "tau_pooled": 1.0, "requests": n,
+                           "tokens": sum(len(r["ar"][0]) for r in rows), "seconds": sum(r["ar"][2] for r in rows)}}
+            for name in drafters:
+                cell[name] = {**summarize([r[name][1] for r in rows]), "tokens": sum(len(r[name][0]) for r in rows),
+                              "seconds": sum(r[name][2] for r in rows)}
+                if T == 0:
+                    match = sum(r[name][0] == r["ar"][0] for r in rows)
+                    cell[name]["exact_match_with_ar"] = f"{match}/{n}"
             results[bench][key] = cell
-    bar.close()
     return {"results": results, "means": benchmark_means(results), "git_sha": git_sha(), "hardware": hardware(),
             "command": " ".join(sys.argv), "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
             "limit": limit, "max_new_tokens": max_new_tokens, "target": target.name,
-            "dtype": str(target.dtype).replace("torch.", "")}
+            "dtype": str(target.dtype).replace("torch.", ""), "workers": workers}
+
+
+_ENGINES: dict = {}
+
+
+def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int) -> None:
+    from .checkpoint import load_drafter
+    from .target import load_target
+
+    torch.set_num_threads(threads)
+    spec, dtype, device = target_spec
+    target = load_target(spec, dtype=getattr(torch, dtype), device=device)
+    _ENGINES["ar"] = Engine(target)
+    for n, p in drafter_paths.items():
+        _ENGINES[n] = Engine(target, load_drafter(p, target, dtype=getattr(torch, dtype), device=device))
+
+
+def _worker_item(item, temperatures, max_new_tokens, seed):
+    return eval_item(_ENGINES, item, temperatures, max_new_tokens, seed)
 
 
 def benchmark_means(results: dict) -> dict:
@@ -141,6 +183,15 @@ def markdown_table(doc: dict) -> str:
                 ok = sum(int(x.split('/')[0]) for x in em)
                 n = sum(int(x.split('/')[1]) for x in em)
                 lines.append(f"\n{m}: exact match with AR on {ok}/{n} requests at {key}")
+    rep = doc.get("train_report", {}).get("methods")
+    if rep:
+        steps = doc["train_report"].get("train", {}).get("steps", "?")
+        lines.append(f"\n**Held-out simulated τ** (all drafters trained in lockstep, {steps} steps)\n")
+        lines.append("| drafter | method | overrides | τ_sim before | τ_sim best |")
+        lines.append("|---|---|---|---|---|")
+        for n, r in rep.items():
+            over = ", ".join(f"{k}={v}" for k, v in {**r.get("drafter", {}), **r.get("loss", {})}.items()) or "—"
+            lines.append(f"| {n} | {r.get('method', n)} | {over} | {r['tau_sim_before']:.3f} | {r['best_tau_sim']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

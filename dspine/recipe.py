@@ -1,31 +1,45 @@
 """The acceptance recipe: regenerate data once, train DFlash, post-backbone and DSpine drafters with identical
 data, steps, layers, block size and seed, then evaluate all three and AR on the seven benchmarks.
 
-Two stages so that each fits one GPU command: `train` (regen + the three trainings, drafters kept in a work
-folder) and `eval` (the benchmark table, JSON, `bench/results/summary.json`'s acceptance section).
+All drafters (the three methods and any ablations) train in lockstep: the same batches and anchors, one
+target forward per batch, the same schedule — "identical data and steps" by construction. Ablations are
+named variants (method + drafter-config and loss overrides) measured by held-out simulated τ in the same
+run, and through the engine with `eval_ablations`.
+
+Stages, each one GPU command: `regen`, `train` (regen is resumable, so it is a no-op after `regen`),
+`eval` (the benchmark table, JSON, `bench/results/summary.json`'s acceptance section).
 `RecipeConfig.cpu_tiny()` is the same recipe at CPU-test size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from workloads import BENCHMARKS, load_prompts
 
-from .checkpoint import load_drafter, save_drafter
-from .drafter import DSpineDraftModel
+from .checkpoint import load_drafter
+from .drafter import DSpineConfig, DSpineDraftModel
 from .evaluate import evaluate, write_results
 from .io import atomic_write_text
 from .regen import load_samples, regenerate_dataset
 from .target import load_target
-from .train import TrainConfig, evaluate_tau_sim, train_drafter
+from .train import TrainConfig, evaluate_tau_sims, loss_kw, train_drafters
 
 METHODS = ("dflash", "post_backbone", "dspine")
+
+
+@dataclass
+class Ablation:
+    method: str = "dspine"
+    drafter: dict[str, Any] = field(default_factory=dict)  # DSpineConfig overrides, e.g. transfer_rank
+    loss: dict[str, float] = field(default_factory=dict)  # gamma / cos_weight / redo_weight
 
 
 @dataclass
@@ -33,61 +47,106 @@ class RecipeConfig:
     target: str = "smollm2-135m-instruct"
     device: str = "cuda"
     dtype: str = "float32"
-    workload: str = "sharegpt_3k"
-    num_prompts: int = 3000
+    workload: str = "sharegpt_3k+gsm8k_train+mbpp_train"  # chat + math + code training prompts (no eval items)
+    num_prompts: int = 4000  # per pool
     max_new_tokens: int = 256
-    regen_batch: int = 256
-    heldout: int = 64  # regenerated samples kept out of training for simulated τ
+    regen_batch: int = 512
+    heldout: int = 64  # regenerated samples (a seeded random choice) kept out of training for simulated τ
     layers: int = 5
     block_size: int = 16
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=600, batch_size=8, anchors_per_seq=48,
-                                                                   max_len=768, lr=1e-3, warmup_steps=40,
-                                                                   eval_every=200))
+    ablations: dict[str, Ablation] = field(default_factory=lambda: {
+        "dspine_r64": Ablation(drafter={"transfer_rank": 64, "message_size": 64}),
+        "dspine_nocos": Ablation(loss={"cos_weight": 0.0})})
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        steps=100_000, time_budget_s=420, batch_size=16, anchors_per_seq=64, max_len=768, lr=1e-3,
+        warmup_steps=100, eval_every=250))
     eval_benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS))
-    eval_limit: int = 3
+    eval_limit: int = 10
     eval_max_new_tokens: int = 96
     eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    eval_workers: int = 8
+    eval_ablations: bool = False
+
+    def validate(self) -> None:
+        from .config import ConfigError
+
+        clash = set(self.methods) & set(self.ablations)
+        if clash:
+            raise ConfigError(f"recipe: ablation names {sorted(clash)} clash with the methods")
+        bad = [m for m in [*self.methods, *(a.method for a in self.ablations.values())] if m not in METHODS]
+        if bad:
+            raise ConfigError(f"recipe: unknown method(s) {bad}; known: {list(METHODS)}")
+        known = {f.name for f in dataclasses.fields(DSpineConfig)} - {"method"}
+        for name, a in self.ablations.items():
+            if set(a.drafter) - known:
+                raise ConfigError(f"recipe.ablations.{name}.drafter: unknown key(s) {sorted(set(a.drafter) - known)}")
+            loss_kw(self.train, a.loss)  # rejects unknown loss keys
+
+    def variants(self) -> dict[str, Ablation]:
+        """Every drafter the recipe trains: the methods, then the ablations."""
+        return {**{m: Ablation(method=m) for m in self.methods}, **self.ablations}
 
     @classmethod
     def cpu_tiny(cls) -> "RecipeConfig":
         return cls(device="cpu", workload="sharegpt", num_prompts=40, max_new_tokens=32, regen_batch=20, heldout=8,
-                   layers=1, block_size=8,
+                   layers=1, block_size=8, ablations={"dspine_nocos": Ablation(loss={"cos_weight": 0.0})},
                    train=TrainConfig(steps=40, batch_size=4, anchors_per_seq=8, max_len=256, lr=3e-3, warmup_steps=5,
                                      gamma=3.5, eval_every=20),
                    eval_benchmarks=["gsm8k", "mt_bench"], eval_limit=1, eval_max_new_tokens=16,
-                   eval_temperatures=[0.0])
+                   eval_temperatures=[0.0], eval_workers=1)
+
+
+def run_regen_stage(cfg: RecipeConfig, work: str | Path, target=None, progress: bool = True) -> dict:
+    work = Path(work)
+    t0 = time.time()
+    target = target or load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    load_s = time.time() - t0
+    prompts = load_prompts(cfg.workload, limit=cfg.num_prompts, max_chars=2000)
+    t0 = time.time()
+    rep = regenerate_dataset(target, [(f"{cfg.workload}/{i}", p) for i, p in enumerate(prompts)], work / "data",
+                             max_new_tokens=cfg.max_new_tokens, batch_size=cfg.regen_batch, progress=progress)
+    return {"regen": asdict(rep), "load_s": load_s, "regen_s": time.time() - t0}
+
+
+def split_samples(cfg: RecipeConfig, work: Path) -> tuple[list, list]:
+    """(train, held-out): a seeded shuffle, so the held-out set spans every pool and prompt length."""
+    import random
+
+    pairs = [p for p in load_samples(work / "data") if p[1] < cfg.train.max_len - 16]
+    random.Random(cfg.train.seed).shuffle(pairs)
+    return pairs[cfg.heldout:], pairs[: cfg.heldout]
 
 
 def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True) -> dict:
     work = Path(work)
     dtype = getattr(torch, cfg.dtype)
-    t0 = time.time()
     target = load_target(cfg.target, dtype=dtype, device=cfg.device)
-    timings = {"load_s": time.time() - t0}
-    prompts = load_prompts(cfg.workload, limit=cfg.num_prompts, max_chars=2000)
+    out = run_regen_stage(cfg, work, target, progress)
+    train_pairs, eval_pairs = split_samples(cfg, work)
+    out.update(samples=len(train_pairs), heldout=len(eval_pairs), methods={})
+    variants = cfg.variants()
+    drafters = {n: DSpineDraftModel.for_target(target, method=v.method, **{"num_hidden_layers": cfg.layers,
+                                                                            "block_size": cfg.block_size, **v.drafter},
+                                               seed=cfg.train.seed).to(device=cfg.device, dtype=dtype).bind(target)
+                for n, v in variants.items()}
+    losses = {n: v.loss for n, v in variants.items()}
+    before = evaluate_tau_sims(drafters, target, eval_pairs, cfg.train, losses=losses)
     t0 = time.time()
-    rep = regenerate_dataset(target, [(f"{cfg.workload}/{i}", p) for i, p in enumerate(prompts)], work / "data",
-                             max_new_tokens=cfg.max_new_tokens, batch_size=cfg.regen_batch, progress=progress)
-    timings["regen_s"] = time.time() - t0
-    pairs = [p for p in load_samples(work / "data") if p[1] < cfg.train.max_len - 16]
-    eval_pairs, train_pairs = pairs[: cfg.heldout], pairs[cfg.heldout:]
-    out = {"regen": asdict(rep), "samples": len(train_pairs), "heldout": len(eval_pairs), "methods": {}}
-    for m in cfg.methods:
-        d = DSpineDraftModel.for_target(target, method=m, num_hidden_layers=cfg.layers, block_size=cfg.block_size,
-                                        seed=cfg.train.seed).to(device=cfg.device, dtype=dtype).bind(target)
-        before = evaluate_tau_sim(d, target, eval_pairs, cfg.train)
-        t0 = time.time()
-        hist = train_drafter(d, target, train_pairs, cfg.train, eval_samples=eval_pairs, progress=progress,
-                             out=work / m, extra={"recipe": True})
-        if cfg.device == "cuda":
-            torch.cuda.synchronize()
-        secs = time.time() - t0
-        out["methods"][m] = {"tau_sim_before": before, "tau_sim_after": hist[-1].get("eval_tau_sim"),
-                             "best_tau_sim": max(h.get("eval_tau_sim", 0) for h in hist), "train_s": secs,
-                             "s_per_step": secs / len(hist), "loss_first": hist[0]["loss"],
-                             "loss_last": hist[-1]["loss"]}
-    out["timings"] = timings
+    hist = train_drafters(drafters, target, train_pairs, cfg.train, eval_samples=eval_pairs, progress=progress,
+                          outs={n: work / n for n in drafters}, losses=losses, extra={"recipe": True})
+    if cfg.device == "cuda":
+        torch.cuda.synchronize()
+    secs = time.time() - t0
+    for n, h in hist.items():
+        evals = [(r["step"], r["eval_tau_sim"]) for r in h if "eval_tau_sim" in r]
+        out["methods"][n] = {**asdict(variants[n]), "tau_sim_before": before[n], "tau_sim_after": evals[-1][1],
+                             "best_tau_sim": max(t for _, t in evals), "eval_curve": evals,
+                             "loss_first": h[0]["loss"], "loss_last": h[-1]["loss"]}
+    steps = len(next(iter(hist.values())))
+    out["train"] = {"steps": steps, "seconds": secs, "s_per_step": secs / steps, "drafters": len(drafters),
+                    "sequences": steps * cfg.train.batch_size,
+                    "blocks_per_drafter": steps * cfg.train.batch_size * cfg.train.anchors_per_seq}
     atomic_write_text(work / "train_report.json", json.dumps(out, indent=1))
     return out
 
@@ -96,9 +155,12 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
     work = Path(work)
     dtype = getattr(torch, cfg.dtype)
     target = load_target(cfg.target, dtype=dtype, device=cfg.device)
-    drafters = {m: load_drafter(work / m / "best", target, dtype=dtype, device=cfg.device) for m in cfg.methods}
+    names = [*cfg.methods, *(cfg.ablations if cfg.eval_ablations else [])]
+    paths = {m: work / m / "best" for m in names}
+    drafters = {m: load_drafter(p, target, dtype=dtype, device=cfg.device) for m, p in paths.items()}
     doc = evaluate(target, drafters, cfg.eval_benchmarks, cfg.eval_limit, cfg.eval_temperatures,
-                   cfg.eval_max_new_tokens, progress=progress)
+                   cfg.eval_max_new_tokens, progress=progress, workers=cfg.eval_workers,
+                   target_spec=(cfg.target, cfg.dtype, cfg.device), drafter_paths={m: str(p) for m, p in paths.items()})
     doc["recipe"] = asdict(cfg)
     rep = work / "train_report.json"
     if rep.is_file():

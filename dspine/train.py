@@ -41,6 +41,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50
     save_every: int = 0  # 0: only at the end (and at each new best)
+    time_budget_s: float = 0.0  # > 0: stop once spent (the cosine schedule then follows time); 0: off
 
     def validate(self) -> None:
         from .config import ConfigError
@@ -48,6 +49,8 @@ class TrainConfig:
         for k in ("steps", "batch_size", "anchors_per_seq", "max_len"):
             if getattr(self, k) <= 0:
                 raise ConfigError(f"train.{k} must be positive")
+        if self.time_budget_s < 0:
+            raise ConfigError("train.time_budget_s must be >= 0 (0 turns it off)")
         if self.lr <= 0 or self.gamma <= 0:
             raise ConfigError("train.lr and train.gamma must be positive")
 
@@ -143,25 +146,82 @@ def drafter_losses(drafter: DSpineDraftModel, feats: torch.Tensor, batch: Batch,
     return res
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, progress: float | None = None) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine to `min_lr_ratio` over the run's progress (step
+    fraction, or the larger of step and time fraction under a time budget)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps) if progress is None else progress
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+class FeatureSource:
+    """One teacher-forced target forward per batch serves drafters that read different target layers."""
+
+    def __init__(self, target, drafters):
+        self.target = target
+        self.layers = sorted({i for d in drafters for i in d.config.target_layer_ids})
+        d = target.info.hidden_size
+        self._cols = {}
+        for dr in drafters:
+            idx = [self.layers.index(i) for i in dr.config.target_layer_ids]
+            self._cols[id(dr)] = None if idx == list(range(len(self.layers))) else \
+                torch.cat([torch.arange(j * d, (j + 1) * d) for j in idx]).to(target.device)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (N, S) -> (N, S, len(union) * d). TF32 matmuls on CUDA: features, not outputs, are needed."""
+        if self.target.device.type != "cuda":
+            return self.target.features(ids, self.layers)
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            return self.target.features(ids, self.layers)
+        finally:
+            torch.set_float32_matmul_precision(prev)
+
+    def select(self, feats: torch.Tensor, drafter) -> torch.Tensor:
+        cols = self._cols[id(drafter)]
+        return feats if cols is None else feats.index_select(-1, cols)
 
 
 @torch.no_grad()
 def evaluate_tau_sim(drafter, target, samples, cfg: TrainConfig, seed: int = 1234) -> float:
+    return evaluate_tau_sims({"d": drafter}, target, samples, cfg, seed)["d"]
+
+
+@torch.no_grad()
+def evaluate_tau_sims(drafters: dict, target, samples, cfg: TrainConfig, seed: int = 1234,
+                      losses: dict | None = None) -> dict[str, float]:
+    """Held-out simulated τ of each drafter on the same batches and anchors."""
     rng = random.Random(seed)
-    taus, n = 0.0, 0
+    src = FeatureSource(target, list(drafters.values()))
+    block = {d.config.block_size for d in drafters.values()}
+    if len(block) != 1:
+        raise ValueError("drafters evaluated together must share a block size")
+    taus = dict.fromkeys(drafters, 0.0)
+    n = 0
     for i in range(0, len(samples), cfg.batch_size):
-        batch = make_batch(samples[i: i + cfg.batch_size], cfg.anchors_per_seq, drafter.config.block_size,
-                           cfg.max_len, rng, target.device)
-        _, feats = target.forward(batch.ids, None, drafter.config.target_layer_ids)
-        res = drafter_losses(drafter, feats, batch, cfg.gamma, cfg.cos_weight, cfg.redo_weight)
-        taus += res["tau_sim"] * len(batch.ids)
+        batch = make_batch(samples[i: i + cfg.batch_size], cfg.anchors_per_seq, next(iter(block)), cfg.max_len,
+                           rng, target.device)
+        feats = src(batch.ids)
+        for name, d in drafters.items():
+            res = drafter_losses(d, src.select(feats, d), batch, **loss_kw(cfg, (losses or {}).get(name)))
+            taus[name] += res["tau_sim"] * len(batch.ids)
         n += len(batch.ids)
-    return taus / max(1, n)
+    return {k: v / max(1, n) for k, v in taus.items()}
+
+
+LOSS_KEYS = ("gamma", "cos_weight", "redo_weight")
+
+
+def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:
+    kw = {k: getattr(cfg, k) for k in LOSS_KEYS}
+    bad = set(override or {}) - set(LOSS_KEYS)
+    if bad:
+        from .config import ConfigError
+
+        raise ConfigError(f"unknown loss override(s) {sorted(bad)}; known: {list(LOSS_KEYS)}")
+    return {**kw, **(override or {})}
 
 
 def _save_state(out: Path, drafter, opt, step: int, order: list[int], rng: random.Random, best: float,
@@ -224,67 +284,117 @@ def _load_state(ckpt: Path, drafter, opt, rng: random.Random):
 def train_drafter(drafter: DSpineDraftModel, target, samples: list[tuple[list[int], int]], cfg: TrainConfig,
                   eval_samples=None, progress: bool = True, log=None, out: str | Path | None = None,
                   resume: bool = False, extra: dict | None = None) -> list[dict]:
-    """Train `drafter` in place on target-generated samples; returns the per-step log.
+    """Train one drafter in place; with `out`, checkpoints go to out/last and out/best (see train_drafters)."""
+    return train_drafters({drafter.config.method: drafter}, target, samples, cfg, eval_samples, progress,
+                          log, None if out is None else {drafter.config.method: out}, resume, extra)[
+        drafter.config.method]
 
-    With `out`: saves `out/last` (drafter + optimizer, RNG and data position: `resume=True` continues from
-    it exactly) and `out/best` (the drafter with the best held-out simulated τ so far).
+
+def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[tuple[list[int], int]],
+                   cfg: TrainConfig, eval_samples=None, progress: bool = True, log=None,
+                   outs: dict[str, str | Path] | None = None, resume: bool = False, extra: dict | None = None,
+                   losses: dict[str, dict] | None = None) -> dict[str, list[dict]]:
+    """Train several drafters in lockstep on target-generated samples: identical batches, anchors and
+    schedule; one target forward per batch serves them all. Returns each drafter's per-step log.
+
+    `losses` overrides gamma / cos_weight / redo_weight per drafter (ablations). With `outs`: each drafter
+    saves outs[name]/last (weights + optimizer, RNG and data position: `resume=True` continues exactly, when
+    no time budget cut the run) and outs[name]/best (best held-out simulated τ so far). `cfg.time_budget_s`
+    stops all drafters at the same step once the budget is spent; the cosine schedule then follows time.
     """
+    import time
+
     from tqdm.auto import tqdm
 
     from .checkpoint import save_drafter
 
     cfg.validate()
-    drafter.bind(target).train()
+    names = list(drafters)
+    kws = {n: loss_kw(cfg, (losses or {}).get(n)) for n in names}
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    history: list[dict] = []
+    params, opts = {}, {}
+    for n, d in drafters.items():
+        d.bind(target).train()
+        params[n] = [p for p in d.parameters() if p.requires_grad]
+        opts[n] = torch.optim.AdamW(params[n], lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    src = FeatureSource(target, list(drafters.values()))
+    block = {d.config.block_size for d in drafters.values()}
+    if len(block) != 1:
+        raise ValueError("drafters trained in lockstep must share a block size")
+    block_size = block.pop()
+    history = {n: [] for n in names}
+    best = dict.fromkeys(names, float("-inf"))
     order: list[int] = []
-    start, best = 0, float("-inf")
-    out = Path(out) if out is not None else None
+    start = 0
+    outs = {n: Path(o) for n, o in outs.items()} if outs else None
     if resume:
-        if out is None:
+        if outs is None:
             raise ValueError("resume needs an output folder")
-        start, order, best, history = _load_state(out / "last", drafter, opt, rng)
+        starts = set()
+        for n in names:
+            st, order, best[n], history[n] = _load_state(outs[n] / "last", drafters[n], opts[n], rng)
+            starts.add(st)
+        if len(starts) != 1:
+            raise ValueError(f"drafters were saved at different steps {sorted(starts)}; cannot resume in lockstep")
+        start = starts.pop()
     extra = {**(extra or {}), "train": asdict(cfg)}
-    bar = tqdm(range(start, cfg.steps), desc=f"train {drafter.config.method}", disable=not progress,
-               initial=start, total=cfg.steps)
+    label = names[0] if len(names) == 1 else f"{len(names)} drafters"
+    bar = tqdm(range(start, cfg.steps), desc=f"train {label}", disable=not progress, initial=start,
+               total=cfg.steps)
+    t_start = time.perf_counter()
+    amp = dict(device_type="cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda")
     for step in bar:
         if len(order) < cfg.batch_size:
-            extra_order = list(range(len(samples)))
-            rng.shuffle(extra_order)
-            order += extra_order
+            more = list(range(len(samples)))
+            rng.shuffle(more)
+            order += more
         idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
-        batch = make_batch([samples[i] for i in idx], cfg.anchors_per_seq, drafter.config.block_size,
-                           cfg.max_len, rng, target.device)
-        _, feats = target.forward(batch.ids, None, drafter.config.target_layer_ids)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda"):
-            res = drafter_losses(drafter, feats, batch, cfg.gamma, cfg.cos_weight, cfg.redo_weight)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        res["loss"].backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        row = {"step": step + 1, "loss": res["loss"].item(), "ce": res["ce"].item(),
-               "tau_sim": res["tau_sim"], "grad_norm": float(gnorm), "lr": opt.param_groups[0]["lr"]}
-        for k in ("cos", "redo"):
-            if k in res:
-                row[k] = res[k].item()
-        last = step + 1 == cfg.steps
-        if eval_samples and ((step + 1) % cfg.eval_every == 0 or last):
-            drafter.eval()
-            row["eval_tau_sim"] = evaluate_tau_sim(drafter, target, eval_samples, cfg)
-            drafter.train()
-            if out is not None and row["eval_tau_sim"] > best:
-                best = row["eval_tau_sim"]
-                save_drafter(drafter, out / "best", extra={**extra, "step": step + 1, "eval_tau_sim": best})
-        history.append(row)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_sim']:.2f}")
-        if log is not None:
-            log(row)
-        if out is not None and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
-            _save_state(out, drafter, opt, step + 1, order, rng, best, history, extra)
-    drafter.eval()
+        batch = make_batch([samples[i] for i in idx], cfg.anchors_per_seq, block_size, cfg.max_len, rng,
+                           target.device)
+        feats = src(batch.ids)
+        elapsed = time.perf_counter() - t_start
+        frac = None
+        if cfg.time_budget_s:
+            frac = max((step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps),
+                       elapsed / cfg.time_budget_s)
+        out_of_time = bool(cfg.time_budget_s) and elapsed >= cfg.time_budget_s
+        last = step + 1 == cfg.steps or out_of_time
+        do_eval = eval_samples and ((step + 1) % cfg.eval_every == 0 or last)
+        for n, d in drafters.items():
+            with torch.autocast(**amp):
+                res = drafter_losses(d, src.select(feats, d), batch, **kws[n])
+            for g in opts[n].param_groups:
+                g["lr"] = lr_at(step, cfg, frac)
+            opts[n].zero_grad(set_to_none=True)
+            res["loss"].backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params[n], cfg.grad_clip)
+            opts[n].step()
+            row = {"step": step + 1, "loss": res["loss"].item(), "ce": res["ce"].item(),
+                   "tau_sim": res["tau_sim"], "grad_norm": float(gnorm), "lr": opts[n].param_groups[0]["lr"],
+                   "elapsed_s": round(elapsed, 3)}
+            for k in ("cos", "redo"):
+                if k in res:
+                    row[k] = res[k].item()
+            history[n].append(row)
+            if log is not None:
+                log({"drafter": n, **row} if len(names) > 1 else row)
+        if do_eval:
+            for d in drafters.values():
+                d.eval()
+            taus = evaluate_tau_sims(drafters, target, eval_samples, cfg, losses=losses)
+            for n, d in drafters.items():
+                d.train()
+                history[n][-1]["eval_tau_sim"] = taus[n]
+                if outs is not None and taus[n] > best[n]:
+                    best[n] = taus[n]
+                    save_drafter(d, outs[n] / "best", extra={**extra, "step": step + 1, "eval_tau_sim": best[n]})
+        bar.set_postfix(loss=f"{history[names[0]][-1]['loss']:.3f}", tau=f"{history[names[0]][-1]['tau_sim']:.2f}")
+        if outs is not None and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+            for n, d in drafters.items():
+                _save_state(outs[n], d, opts[n], step + 1, order, rng, best[n], history[n], extra)
+        if out_of_time:
+            break
+    for d in drafters.values():
+        d.eval()
     return history

@@ -74,11 +74,24 @@ def _arena_hard():
     return [Item(r["uid"], [r["prompt"]]) for r in _jsonl(DATA / "arena_hard/question.jsonl")]
 
 
+def _gsm8k_train():
+    return [Item(f"gsm8k_train/{i}", [r["question"] + MATH_SUFFIX])
+            for i, r in enumerate(_jsonl(DATA / "gsm8k/train.jsonl"))]
+
+
+def _mbpp_train():
+    """Full MBPP minus every task of the sanitized set that `mbpp` evaluates on (no contamination)."""
+    held = {r["task_id"] for r in json.loads((DATA / "mbpp/sanitized-mbpp.json").read_text())}
+    return [Item(f"mbpp_train/{r['task_id']}", [f"{r['text']}\nYour code should pass these tests:\n" +
+                                                "\n".join(r["test_list"])])
+            for r in _jsonl(DATA / "mbpp/mbpp.jsonl") if r["task_id"] not in held]
+
+
 BENCHMARKS = {"gsm8k": _gsm8k, "math500": _math500, "humaneval": _humaneval, "mbpp": _mbpp,
               "livecodebench": _livecodebench, "mt_bench": _mt_bench, "arena_hard": _arena_hard}
 PROMPT_POOLS = {"sharegpt": lambda: _sharegpt("ShareGPT_V3_filtered_500.json"),
                 "sharegpt_3k": lambda: _sharegpt("sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json"),
-                "mt_bench": _mt_bench}
+                "gsm8k_train": _gsm8k_train, "mbpp_train": _mbpp_train, "mt_bench": _mt_bench}
 
 
 def load_benchmark(name: str, limit: int | None = None) -> list[Item]:
@@ -89,10 +102,14 @@ def load_benchmark(name: str, limit: int | None = None) -> list[Item]:
 
 
 def load_prompts(name: str, limit: int | None = None, max_chars: int | None = None) -> list[str]:
-    """First-turn user prompts of a prompt pool or benchmark (file order), capped in count and length."""
-    loader = PROMPT_POOLS.get(name) or BENCHMARKS.get(name)
-    if loader is None:
-        raise ValueError(f"unknown workload {name!r}; known: {sorted(set(PROMPT_POOLS) | set(BENCHMARKS))}")
-    prompts = [it.turns[0] for it in loader()
-               if it.turns[0].strip() and (max_chars is None or len(it.turns[0]) <= max_chars)]
-    return prompts[:limit] if limit else prompts
+    """First-turn user prompts of a prompt pool or benchmark (file order), capped in count and length.
+    `name` may join pools with '+' (e.g. "sharegpt_3k+gsm8k_train"): the limit applies to each pool."""
+    out = []
+    for part in name.split("+"):
+        loader = PROMPT_POOLS.get(part) or BENCHMARKS.get(part)
+        if loader is None:
+            raise ValueError(f"unknown workload {part!r}; known: {sorted(set(PROMPT_POOLS) | set(BENCHMARKS))}")
+        prompts = [it.turns[0] for it in loader()
+                   if it.turns[0].strip() and (max_chars is None or len(it.turns[0]) <= max_chars)]
+        out += prompts[:limit] if limit else prompts
+    return out
