@@ -29,16 +29,18 @@ from .stats import AcceptanceStats, summarize
 
 
 def git_sha() -> str:
-    """The checkout's commit; DSPINE_GIT_SHA where the tree travels without its history (the GPU machine)."""
+    """DSPINE_GIT_SHA when set (the GPU machine's tree travels without its own history), else the checkout's."""
     import os
     import re
 
+    if os.environ.get("DSPINE_GIT_SHA"):
+        return os.environ["DSPINE_GIT_SHA"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent).stdout.strip()
     except OSError:
         sha = ""
-    return sha if re.fullmatch(r"[0-9a-f]{40}", sha) else os.environ.get("DSPINE_GIT_SHA", "unknown")
+    return sha if re.fullmatch(r"[0-9a-f]{40}", sha) else "unknown"
 
 
 def hardware() -> str:
