@@ -93,6 +93,32 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default="dspine", help="the model id clients ask for (default: %(default)s)")
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: context - 1)")
 
+    px = sub.add_parser("proxy", help="a LiteLLM proxy in front of dspine/SGLang backends, recording acceptance",
+                        description="Write a LiteLLM config for the given backends and run the real LiteLLM proxy "
+                                    "(bound to 127.0.0.1). Every request is recorded once — model, drafter, "
+                                    "workload (request metadata.workload), thinking level (reasoning_effort), "
+                                    "tokens, tau, verify rounds, per-slot histogram, latency — in a SQLite store "
+                                    "that `dspine dashboard` reads, and in Prometheus metrics. The master key is "
+                                    "read from the environment variable DSPINE_PROXY_KEY; clients send it as "
+                                    "their API key.")
+    px.add_argument("--backend", action="append", default=[], metavar="NAME=URL[@SERVED]",
+                    help="a backend (repeatable): the model name clients use = the backend's OpenAI base URL, "
+                         "e.g. smol=http://127.0.0.1:8000/v1 (@SERVED: the backend's own model name, default dspine)")
+    px.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    px.add_argument("--port", type=int, default=4000, help="port (default: %(default)s)")
+    px.add_argument("--db", default="runs/proxy/acceptance.db", help="SQLite acceptance store (default: %(default)s)")
+    px.add_argument("--metrics-port", type=int, default=0,
+                    help="serve the proxy's Prometheus metrics on 127.0.0.1:PORT (default: off)")
+    px.add_argument("--workdir", default="runs/proxy", help="where the LiteLLM config is written (default: %(default)s)")
+
+    db = sub.add_parser("dashboard", help="web page over the acceptance store",
+                        description="Serve a page with tau by workload x thinking level, per-slot acceptance "
+                                    "curves, tau over time and requests/s, read from the proxy's SQLite store.")
+    db.add_argument("--db", default="runs/proxy/acceptance.db", help="SQLite acceptance store (default: %(default)s)")
+    db.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    db.add_argument("--port", type=int, default=8050, help="port (default: %(default)s)")
+    db.add_argument("--bucket-seconds", type=float, default=60.0, help="time-series bucket (default: %(default)s)")
+
     e = sub.add_parser("eval", help="acceptance per benchmark for AR and any set of drafters",
                        description="Decode benchmark prompts through the engine with AR and each drafter, at each "
                                    "temperature; write JSON (git sha, command, hardware, config hashes) and a "
@@ -255,6 +281,32 @@ def cmd_serve(a) -> int:
     return 0
 
 
+def cmd_proxy(a) -> int:
+    from .proxy import ProxyConfig, parse_backend, start_proxy
+
+    cfg = ProxyConfig(backends=[parse_backend(b) for b in a.backend], host=a.host, port=a.port, db=a.db,
+                      metrics_port=a.metrics_port, workdir=a.workdir)
+    proc = start_proxy(cfg, log=sys.stdout)
+    print(f"dspine proxy: LiteLLM on http://{a.host}:{a.port}/v1 (store {a.db}); Ctrl-C stops it", file=sys.stderr)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait(timeout=30)
+
+
+def cmd_dashboard(a) -> int:
+    import os
+
+    from .dashboard import serve_dashboard
+
+    if not os.path.isfile(a.db):
+        raise UsageError(f"no acceptance store at {a.db} (start `dspine proxy --db {a.db}` first)")
+    print(f"dspine dashboard: http://{a.host}:{a.port}/", file=sys.stderr)
+    serve_dashboard(a.db, a.host, a.port, a.bucket_seconds)
+    return 0
+
+
 def cmd_eval(a) -> int:
     import os
 
@@ -306,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         a.overrides += extra
     try:
         return {"generate": cmd_generate, "regen": cmd_regen, "train": cmd_train, "eval": cmd_eval,
-                "serve": cmd_serve}[a.verb](a)
+                "serve": cmd_serve, "proxy": cmd_proxy, "dashboard": cmd_dashboard}[a.verb](a)
     except (CheckpointError, ConfigError, RequestError, TargetError, UsageError, RegenError) as e:
         print(f"dspine {a.verb}: error: {e}", file=sys.stderr)
         return 2

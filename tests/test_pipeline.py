@@ -1,5 +1,6 @@
 """regen -> train -> eval on the real target at CPU size: accounting, resume, errors, the tiny recipe."""
 
+import dataclasses
 import json
 import os
 import stat
@@ -110,7 +111,14 @@ def test_tiny_recipe_end_to_end(tmp_path):
     rep = run_train_stage(cfg, tmp_path, progress=False)
     for m, r in rep["methods"].items():
         assert r["best_tau_sim"] > r["tau_sim_before"], (m, r)
+    assert set(rep["methods"]) == {"dflash", "post_backbone", "dspine", "dspine_nocos"}
     doc = run_eval_stage(cfg, tmp_path, tmp_path / "acc.json", progress=False)
+    # two engine processes give the very same tokens and acceptance as one
+    par = run_eval_stage(dataclasses.replace(cfg, eval_workers=2), tmp_path, tmp_path / "par.json", progress=False)
+    strip = lambda d: {b: {T: {m: {k: v for k, v in r.items() if k != "seconds"} for m, r in c.items()}  # noqa: E731
+                           for T, c in bt.items()} for b, bt in d["results"].items()}
+    assert strip(par) == strip(doc)
+    assert "Held-out simulated" in (tmp_path / "acc.md").read_text()
     for bench in doc["results"].values():
         for m, r in bench["T0"].items():
             if m != "ar":

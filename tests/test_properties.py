@@ -11,7 +11,7 @@ from dspine.decoding import propose, transition_scores
 from dspine.drafter import DSpineDraftModel
 from dspine.sampling import SamplingParams, warp_probs
 from dspine.stats import AcceptanceStats, simulated_tau, summarize
-from dspine.train import TrainConfig
+from dspine.train import TrainConfig, train_drafter
 from dspine.transfer import build_transfer_space
 
 
@@ -157,3 +157,49 @@ def test_typed_config_and_overrides():
         from_dict(TrainConfig, {"steps": "many"})
     with pytest.raises(ConfigError, match="key.path=value"):
         apply_overrides({}, ["train.lr"])
+
+
+def test_lockstep_training_equals_training_alone(tiny):
+    """Drafters trained together (one target forward per batch) end bit-identical to drafters trained alone,
+    also beside a drafter reading other target layers and with its own loss weights."""
+    from dspine.train import train_drafters
+
+    target, pairs = tiny
+    cfg = TrainConfig(steps=8, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=2, lr=2e-3, eval_every=4)
+    make = lambda m, L=2: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=L, block_size=8)  # noqa: E731
+    alone = {m: make(m) for m in ("dflash", "dspine")}
+    for d in alone.values():
+        train_drafter(d, target, pairs, cfg, eval_samples=pairs[:4], progress=False)
+    together = {**{m: make(m) for m in ("dflash", "dspine")}, "dspine_L1": make("dspine", 1)}
+    hist = train_drafters(together, target, pairs, cfg, eval_samples=pairs[:4], progress=False,
+                          losses={"dspine_L1": {"cos_weight": 0.0}})
+    for m, d in alone.items():
+        a, b = d.state_dict(), together[m].state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a), m
+    assert len(hist["dspine_L1"]) == 8 and "eval_tau_sim" in hist["dspine_L1"][-1]
+    with pytest.raises(ConfigError, match="unknown loss override"):
+        train_drafters({"d": make("dspine")}, target, pairs, cfg, progress=False, losses={"d": {"cos": 0.0}})
+
+
+def test_time_budget_stops_training_and_anneals():
+    from dspine.train import lr_at
+
+    cfg = TrainConfig(steps=1000, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, time_budget_s=60)
+    assert lr_at(5, cfg, 0.0) == pytest.approx(6e-4)  # warm-up follows steps
+    assert lr_at(50, cfg, 1.0) == pytest.approx(1e-4)  # the schedule ends when the time does
+    with pytest.raises(ConfigError, match="time_budget_s"):
+        from_dict(TrainConfig, {"time_budget_s": -1})
+
+
+def test_recipe_config_rejects_bad_ablations():
+    from dspine.recipe import RecipeConfig
+
+    base = {"ablations": {"x": {"method": "dspine", "drafter": {"transfer_rnk": 8}}}}
+    with pytest.raises(ConfigError, match="transfer_rnk"):
+        from_dict(RecipeConfig, base)
+    with pytest.raises(ConfigError, match="unknown method"):
+        from_dict(RecipeConfig, {"ablations": {"x": {"method": "medusa"}}})
+    with pytest.raises(ConfigError, match="clash"):
+        from_dict(RecipeConfig, {"ablations": {"dspine": {}}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        from_dict(RecipeConfig, {"ablations": {"x": {"methd": "dspine"}}})

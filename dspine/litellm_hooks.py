@@ -1,0 +1,146 @@
+"""What runs inside the LiteLLM proxy process: the acceptance callback and the key check.
+
+`DSpineLogger` (a LiteLLM `CustomLogger`) records every successful request once: model, drafter, workload
+(request `metadata.workload`, which LiteLLM keeps for callbacks), thinking level, tokens, τ, verify rounds,
+per-slot histogram, latency — into the SQLite store (store.py) and Prometheus metrics labelled by workload
+and thinking level (served on 127.0.0.1:DSPINE_PROXY_METRICS_PORT).
+
+Where acceptance comes from: LiteLLM passes a backend's extra top-level fields (`meta_info`, `sglext`)
+only on non-streaming responses, but it keeps the backend's response id for both. So the callback asks
+the backend for its own record, `GET {api_base}/dspine/requests/{id}` (dspine serve), and falls back to the
+response's `meta_info` / `sglext.spec_tokens_details` (SGLang, non-streaming). A request whose acceptance
+cannot be found is still stored (τ empty) and counted in `dspine_proxy_lost_acceptance_total`.
+
+`auth` replaces LiteLLM's key check (which, without a database, answers 400 "No connected db" to a wrong
+key) with a constant-time comparison against the master key: a missing or wrong key gets 401.
+
+Configured through the environment that `dspine proxy` sets: DSPINE_PROXY_DB, DSPINE_PROXY_METRICS_PORT,
+DSPINE_PROXY_KEY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+
+from litellm.integrations.custom_logger import CustomLogger
+
+from .stats import AcceptanceStats
+from .store import AcceptanceStore
+
+_METRICS = None
+
+
+def _metrics(port: int):
+    """Prometheus metrics of this process, served once on 127.0.0.1:port."""
+    global _METRICS
+    if _METRICS is None:
+        from prometheus_client import Counter, Histogram, start_http_server
+
+        labels = ("model", "drafter", "workload", "thinking")
+        _METRICS = {
+            "requests": Counter("dspine_proxy_requests_total", "requests recorded", labels),
+            "rounds": Counter("dspine_proxy_verify_rounds_total", "target verify rounds", labels),
+            "committed": Counter("dspine_proxy_committed_tokens_total", "tokens committed in verify rounds", labels),
+            "accepted": Counter("dspine_proxy_accepted_drafts_total", "draft tokens accepted", labels),
+            "tau": Histogram("dspine_proxy_acceptance_length", "per-request acceptance length τ", labels,
+                             buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16)),
+            "latency": Histogram("dspine_proxy_request_latency_seconds", "request latency through the proxy", labels),
+            "lost": Counter("dspine_proxy_lost_acceptance_total", "requests whose acceptance could not be found",
+                            ("model",)),
+        }
+        if port:
+            start_http_server(port, addr="127.0.0.1")
+    return _METRICS
+
+
+def acceptance_from_response(resp) -> dict | None:
+    """SGLang-shaped acceptance fields carried on a (non-streaming) response, if any."""
+    extra = getattr(resp, "model_extra", None) or {}
+    for blob in (getattr(resp, "meta_info", None) or extra.get("meta_info"),
+                 ((getattr(resp, "sglext", None) or extra.get("sglext")) or {}).get("spec_tokens_details")):
+        if isinstance(blob, dict) and "spec_correct_drafts_histogram" in blob:
+            return blob
+    return None
+
+
+class DSpineLogger(CustomLogger):
+    def __init__(self, db: str, metrics_port: int = 0, fetch_timeout_s: float = 10.0):
+        super().__init__()
+        self.store = AcceptanceStore(db)
+        self.metrics = _metrics(metrics_port)
+        self.fetch_timeout_s = fetch_timeout_s
+
+    @classmethod
+    def from_env(cls) -> "DSpineLogger":
+        return cls(os.environ["DSPINE_PROXY_DB"], int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0))
+
+    async def _backend_record(self, api_base: str | None, rid: str | None) -> dict | None:
+        if not api_base or not rid:
+            return None
+        import httpx
+
+        url = api_base.rstrip("/") + f"/dspine/requests/{rid}"
+        try:
+            async with httpx.AsyncClient(timeout=self.fetch_timeout_s) as c:
+                r = await c.get(url)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
+        lp = kwargs.get("litellm_params") or {}
+        md = lp.get("metadata") or {}
+        user_md = md.get("requester_metadata") or md
+        opt = kwargs.get("optional_params") or {}
+        rid = getattr(response_obj, "id", None)
+        backend = await self._backend_record(lp.get("api_base"), rid)
+        spec, source = None, None
+        if backend is not None:
+            spec, source = backend.get("spec"), "backend_record"
+        if spec is None:
+            spec = acceptance_from_response(response_obj)
+            source = "response" if spec is not None else source
+        hist = spec.get("spec_correct_drafts_histogram") if spec else None
+        stats = AcceptanceStats(len(hist), hist) if hist else None
+        usage = getattr(response_obj, "usage", None)
+        rec = {
+            "request_id": rid or kwargs.get("litellm_call_id"), "ts": time.time(),
+            "model": str(md.get("model_group") or kwargs.get("model")),
+            "drafter": (backend or {}).get("drafter"), "method": (backend or {}).get("method"),
+            "workload": str(user_md.get("workload") or (backend or {}).get("workload") or "default"),
+            "thinking": str((backend or {}).get("thinking") or opt.get("reasoning_effort")
+                            or user_md.get("thinking") or "none"),
+            "stream": bool(kwargs.get("stream") or opt.get("stream")),
+            "prompt_tokens": getattr(usage, "prompt_tokens", None), "completion_tokens": getattr(usage, "completion_tokens", None),
+            "tau": stats.tau if stats else None, "verify_rounds": stats.rounds if stats else None,
+            "accept_hist": hist, "latency_s": (end_time - start_time).total_seconds(), "source": source,
+        }
+        fresh = await asyncio.to_thread(self.store.append, rec)
+        if not fresh:
+            return
+        lab = {"model": rec["model"], "drafter": rec["drafter"] or "none", "workload": rec["workload"],
+               "thinking": rec["thinking"]}
+        m = self.metrics
+        m["requests"].labels(**lab).inc()
+        m["latency"].labels(**lab).observe(rec["latency_s"])
+        if stats:
+            m["rounds"].labels(**lab).inc(stats.rounds)
+            m["committed"].labels(**lab).inc(stats.accepted + stats.rounds)
+            m["accepted"].labels(**lab).inc(stats.accepted)
+            m["tau"].labels(**lab).observe(stats.tau)
+        elif rec["drafter"] is not None or backend is None:
+            m["lost"].labels(model=rec["model"]).inc()
+
+
+async def auth(request, api_key: str):
+    """LiteLLM custom_auth: the master key (DSPINE_PROXY_KEY) or 401."""
+    from litellm.proxy._types import ProxyException, UserAPIKeyAuth
+
+    key = os.environ.get("DSPINE_PROXY_KEY", "")
+    if key and hmac.compare_digest((api_key or "").encode(), key.encode()):
+        return UserAPIKeyAuth(api_key=api_key)
+    raise ProxyException(message="invalid or missing proxy key (Authorization: Bearer <key>)", type="auth_error",
+                         param="api_key", code=401)

@@ -1,0 +1,127 @@
+"""`dspine proxy`: a real LiteLLM proxy in front of dspine / SGLang backends, with acceptance recorded.
+
+Writes a LiteLLM config (one model entry per backend, OpenAI-compatible `openai/<served name>` at the
+backend's /v1), a callbacks module next to it that LiteLLM imports (litellm_hooks: the acceptance
+logger and the key check), and starts `litellm` bound to 127.0.0.1. The master key is required and only
+ever read from the environment (never written to disk); LiteLLM's model cost map is read locally
+(`LITELLM_LOCAL_MODEL_COST_MAP=True`: no network at start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import ConfigError
+from .io import atomic_write_text
+
+CALLBACKS_MODULE = "dspine_litellm_callbacks"
+KEY_ENV = "DSPINE_PROXY_KEY"
+
+
+@dataclass
+class Backend:
+    name: str  # the model name clients ask the proxy for
+    api_base: str  # the backend's OpenAI base, e.g. http://127.0.0.1:8000/v1
+    model: str = "dspine"  # the name the backend serves (dspine serve --served-model-name / SGLang's)
+
+
+@dataclass
+class ProxyConfig:
+    backends: list[Backend] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 4000
+    db: str = "runs/proxy/acceptance.db"
+    metrics_port: int = 0  # > 0: Prometheus metrics of the proxy's records on 127.0.0.1:metrics_port
+    workdir: str = "runs/proxy"
+    timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        if not self.backends:
+            raise ConfigError("proxy: at least one backend is needed (--backend NAME=URL)")
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"proxy: backend names repeat: {names}")
+        for b in self.backends:
+            if not b.api_base.startswith(("http://", "https://")):
+                raise ConfigError(f"proxy: backend {b.name!r} needs an http(s) URL, got {b.api_base!r}")
+
+
+def parse_backend(text: str) -> Backend:
+    """NAME=URL or NAME=URL@SERVED_NAME."""
+    if "=" not in text:
+        raise ConfigError(f"--backend {text!r} is not NAME=URL")
+    name, url = text.split("=", 1)
+    served = "dspine"
+    if "@" in url.split("//", 1)[-1]:
+        url, served = url.rsplit("@", 1)
+    return Backend(name=name.strip(), api_base=url.strip().rstrip("/"), model=served.strip())
+
+
+def litellm_config(cfg: ProxyConfig) -> dict:
+    return {
+        "model_list": [{"model_name": b.name,
+                        "litellm_params": {"model": f"openai/{b.model}", "api_base": b.api_base, "api_key": "none",
+                                           "timeout": cfg.timeout_s, "max_retries": 0}}
+                       for b in cfg.backends],
+        "litellm_settings": {"callbacks": f"{CALLBACKS_MODULE}.handler", "num_retries": 0,
+                             "request_timeout": cfg.timeout_s},
+        "general_settings": {"master_key": f"os.environ/{KEY_ENV}", "custom_auth": f"{CALLBACKS_MODULE}.auth"},
+    }
+
+
+def write_proxy_files(cfg: ProxyConfig) -> Path:
+    """workdir/config.yaml (JSON is YAML) and the callbacks module LiteLLM imports from beside it."""
+    cfg.validate()
+    work = Path(cfg.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(work / f"{CALLBACKS_MODULE}.py",
+                      '"""Written by `dspine proxy`: the hooks LiteLLM loads (see dspine/litellm_hooks.py)."""\n'
+                      "from dspine.litellm_hooks import DSpineLogger, auth  # noqa: F401\n\n"
+                      "handler = DSpineLogger.from_env()\n")
+    path = work / "config.yaml"
+    atomic_write_text(path, json.dumps(litellm_config(cfg), indent=1) + "\n")
+    return path
+
+
+def proxy_env(cfg: ProxyConfig, key: str) -> dict:
+    if not key:
+        raise ConfigError(f"the proxy needs a master key: set {KEY_ENV}")
+    env = dict(os.environ)
+    env.update({KEY_ENV: key, "DSPINE_PROXY_DB": str(Path(cfg.db).resolve()),
+                "DSPINE_PROXY_METRICS_PORT": str(cfg.metrics_port), "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                "LITELLM_TELEMETRY": "False", "PYTHONPATH": os.pathsep.join(
+                    [str(Path(cfg.workdir).resolve())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))})
+    return env
+
+
+def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None) -> subprocess.Popen:
+    """Start LiteLLM (a child process) and return once it answers; raises if it dies or never answers."""
+    key = key if key is not None else os.environ.get(KEY_ENV, "")
+    env = proxy_env(cfg, key)
+    path = write_proxy_files(cfg)
+    exe = shutil.which("litellm")
+    cmd = [exe] if exe else [sys.executable, "-m", "litellm.proxy.proxy_cli"]
+    cmd += ["--config", str(path.resolve()), "--host", cfg.host, "--port", str(cfg.port)]
+    proc = subprocess.Popen(cmd, env=env, cwd=cfg.workdir, stdout=log or subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    url = f"http://{cfg.host}:{cfg.port}/health/liveliness"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"litellm exited with code {proc.returncode} (see its log)")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"litellm did not answer on {url} within 180 s")

@@ -1,0 +1,135 @@
+"""The acceptance store: one SQLite file of per-request records, append-only, safe under concurrent writers.
+
+Written by the LiteLLM proxy callback (one row per request that reached a backend), read by `dspine
+dashboard`. WAL journal + a busy timeout let several processes append while others read; `request_id` is
+unique, so a callback that fires twice for one request still leaves one row. τ and the per-slot curves are
+computed from each row's `accept_hist` through stats.AcceptanceStats (acceptance is defined once).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+from .stats import AcceptanceStats
+
+COLUMNS = ("request_id", "ts", "model", "drafter", "method", "workload", "thinking", "stream", "prompt_tokens",
+           "completion_tokens", "tau", "verify_rounds", "accept_hist", "latency_s", "source")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    request_id TEXT NOT NULL UNIQUE,
+    ts REAL NOT NULL,
+    model TEXT NOT NULL,
+    drafter TEXT,
+    method TEXT,
+    workload TEXT NOT NULL,
+    thinking TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    prompt_tokens INTEGER,
+    completion_tokens INTEGER,
+    tau REAL,
+    verify_rounds INTEGER,
+    accept_hist TEXT,
+    latency_s REAL,
+    source TEXT
+);
+CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
+CREATE TRIGGER IF NOT EXISTS requests_append_only_u BEFORE UPDATE ON requests
+    BEGIN SELECT RAISE(ABORT, 'the acceptance store is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS requests_append_only_d BEFORE DELETE ON requests
+    BEGIN SELECT RAISE(ABORT, 'the acceptance store is append-only'); END;
+"""
+
+
+class AcceptanceStore:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as db:
+            db.executescript(SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA busy_timeout=30000")
+        return db
+
+    def append(self, rec: dict) -> bool:
+        """Insert one record (keys: COLUMNS; accept_hist a list). False when the request id is already there."""
+        row = {c: rec.get(c) for c in COLUMNS}
+        row["ts"] = row["ts"] or time.time()
+        row["stream"] = int(bool(row["stream"]))
+        if row["accept_hist"] is not None:
+            row["accept_hist"] = json.dumps([int(x) for x in row["accept_hist"]])
+        db = self._connect()
+        try:
+            cur = db.execute(f"INSERT OR IGNORE INTO requests ({', '.join(COLUMNS)}) "
+                             f"VALUES ({', '.join('?' for _ in COLUMNS)})", [row[c] for c in COLUMNS])
+            return cur.rowcount == 1
+        finally:
+            db.close()
+
+    def rows(self, since: float = 0.0) -> list[dict]:
+        db = self._connect()
+        db.row_factory = sqlite3.Row
+        try:
+            out = [dict(r) for r in db.execute("SELECT * FROM requests WHERE ts >= ? ORDER BY seq", (since,))]
+        finally:
+            db.close()
+        for r in out:
+            r["accept_hist"] = json.loads(r["accept_hist"]) if r["accept_hist"] else None
+        return out
+
+    def summary(self, since: float = 0.0, bucket_s: float = 60.0) -> dict:
+        """What the dashboard draws: τ and per-slot acceptance by workload × thinking level, τ and
+        requests/s over time."""
+        rows = self.rows(since)
+        groups: dict[tuple[str, str], list[dict]] = {}
+        for r in rows:
+            groups.setdefault((r["workload"], r["thinking"]), []).append(r)
+        cells = []
+        for (w, t), rs in sorted(groups.items()):
+            stats = [_stats(r) for r in rs if r["accept_hist"]]
+            pooled = _merge(stats)
+            cells.append({"workload": w, "thinking": t, "requests": len(rs),
+                          "tau_mean": sum(s.tau for s in stats) / len(stats) if stats else None,
+                          "tau_pooled": pooled.tau if pooled else None,
+                          "per_slot": pooled.per_slot if pooled else [],
+                          "latency_p50_s": _quantile([r["latency_s"] for r in rs if r["latency_s"] is not None], 0.5)})
+        series = []
+        if rows:
+            t0 = rows[0]["ts"] - rows[0]["ts"] % bucket_s
+            buckets: dict[float, list[dict]] = {}
+            for r in rows:
+                buckets.setdefault(t0 + (r["ts"] - t0) // bucket_s * bucket_s, []).append(r)
+            for start, rs in sorted(buckets.items()):
+                stats = [_stats(r) for r in rs if r["accept_hist"]]
+                series.append({"t": start, "requests": len(rs), "requests_per_s": len(rs) / bucket_s,
+                               "tau_mean": sum(s.tau for s in stats) / len(stats) if stats else None})
+        return {"requests": len(rows), "cells": cells, "series": series, "bucket_s": bucket_s,
+                "generated": time.time()}
+
+
+def _stats(r: dict) -> AcceptanceStats:
+    return AcceptanceStats(len(r["accept_hist"]), r["accept_hist"])
+
+
+def _merge(stats: list[AcceptanceStats]) -> AcceptanceStats | None:
+    """Pooled stats, or None when there are none or drafters of different block sizes are mixed."""
+    if len({s.block_size for s in stats}) != 1:
+        return None
+    out = None
+    for s in stats:
+        out = s if out is None else out.merge(s)
+    return out
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
