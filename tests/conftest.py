@@ -3,8 +3,14 @@ briefly trained drafters for each."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -110,3 +116,40 @@ def smollm2_drafters(smollm2, smollm2_pairs):
         brief_train(trained, smollm2, smollm2_pairs, steps=6)
         out[m] = (fresh, trained)
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(url, timeout=1).status == 200:
+                return
+        except OSError:
+            if proc.poll() is not None:
+                out = proc.stdout.read().decode()[-3000:] if proc.stdout else ""
+                raise RuntimeError(f"{proc.args[:4]} exited: {out}")
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{url} did not come up")
+
+
+@contextlib.contextmanager
+def running_server(ckpt, name: str = "smol", max_prompt_tokens: int = 200):
+    """The real `dspine serve` on a free 127.0.0.1 port (SmolLM2 + the given drafter); yields its base URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dspine.cli", "serve", "--drafter", str(ckpt), "--port", str(port),
+                             "--served-model-name", name, "--max-prompt-tokens", str(max_prompt_tokens)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/health", proc, 240)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -2,48 +2,22 @@
 records and metrics, and one clear 4xx per kind of bad input with the server staying up."""
 
 import json
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from conftest import running_server
 from dspine.checkpoint import save_drafter
 from dspine.engine import Engine
 from dspine.sampling import SamplingParams
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_drafters):
     ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp_path_factory.mktemp("srv") / "dspine")
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dspine.cli", "serve", "--drafter", str(ckpt), "--port", str(port),
-                             "--served-model-name", "smol", "--max-prompt-tokens", "200"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if urllib.request.urlopen(base + "/health", timeout=1).status == 200:
-                break
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read().decode()[-3000:])
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
+    with running_server(ckpt, "smol") as base:
+        yield base
 
 
 def post(base, path, body, raw=None):

@@ -1,0 +1,192 @@
+"""The serving stack as agent frameworks see it: the real `dspine serve` behind the real LiteLLM proxy on
+127.0.0.1, requests from the OpenAI client, acceptance recorded once per request (streaming too) with the
+workload and thinking level, the key enforced, and the dashboard rendered in headless Chromium."""
+
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, running_server, wait_http
+from dspine.checkpoint import save_drafter
+from dspine.stats import AcceptanceStats
+from dspine.store import AcceptanceStore
+
+KEY = "sk-dspine-test-key"
+ARTIFACTS = Path(os.environ.get("DSPINE_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "runs" / "test-artifacts"))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm2_drafters):
+    from dspine.proxy import Backend, ProxyConfig, start_proxy
+
+    tmp = tmp_path_factory.mktemp("proxy")
+    ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp / "dspine")
+    with running_server(ckpt, "smol-backend") as server:
+        cfg = ProxyConfig(backends=[Backend("smol", server + "/v1", "smol-backend")], port=free_port(),
+                          db=str(tmp / "acceptance.db"), metrics_port=free_port(), workdir=str(tmp / "litellm"))
+        with open(tmp / "litellm.log", "w") as log:
+            proc = start_proxy(cfg, key=KEY, log=log)
+        try:
+            yield {"server": server, "proxy": f"http://127.0.0.1:{cfg.port}", "cfg": cfg, "tmp": tmp}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def _rows(db) -> list[dict]:
+    return AcceptanceStore(db).rows()
+
+
+def _wait_rows(db, n, seconds=60):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        rows = _rows(db)
+        if len(rows) >= n:
+            return rows
+        time.sleep(0.25)
+    return _rows(db)
+
+
+def _server_requests(server) -> float:
+    text = urllib.request.urlopen(server + "/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(r"^dspine_requests_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+def test_requests_through_the_proxy_are_recorded_once_with_the_servers_tau(stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["proxy"] + "/v1", api_key=KEY)
+    sent = {}
+    for workload in ("swe", "tool_use"):
+        for effort in ("none", "high"):
+            for stream in (False, True):
+                kw = dict(model="smol", max_tokens=8, temperature=0, reasoning_effort=effort,
+                          metadata={"workload": workload},
+                          messages=[{"role": "user", "content": f"Name one {workload} tool. ({effort})"}])
+                if stream:
+                    ids = {c.id for c in client.chat.completions.create(stream=True, **kw)}
+                    assert len(ids) == 1
+                    rid = ids.pop()
+                else:
+                    rid = client.chat.completions.create(**kw).id
+                sent[rid] = (workload, effort, stream)
+    rows = _wait_rows(stack["cfg"].db, len(sent))
+    time.sleep(1.0)  # a duplicate callback, if any, would land now
+    rows = _rows(stack["cfg"].db)
+    assert sorted(r["request_id"] for r in rows) == sorted(sent)  # each request once, nothing else
+    for r in rows:
+        workload, effort, stream = sent[r["request_id"]]
+        assert (r["workload"], r["thinking"], bool(r["stream"])) == (workload, effort, stream)
+        own = json.loads(urllib.request.urlopen(f"{stack['server']}/v1/dspine/requests/{r['request_id']}").read())
+        assert own["thinking"] == effort and own["workload"] == workload
+        assert r["tau"] == pytest.approx(own["spec"]["spec_accept_length"], abs=1e-12)
+        assert r["verify_rounds"] == own["spec"]["spec_verify_ct"]
+        assert r["accept_hist"] == own["spec"]["spec_correct_drafts_histogram"]
+        assert r["tau"] == AcceptanceStats(len(r["accept_hist"]), r["accept_hist"]).tau
+        assert r["completion_tokens"] == own["completion_tokens"] and r["drafter"] == own["drafter"]
+        assert r["source"] == "backend_record" and r["model"] == "smol" and r["latency_s"] > 0
+    # Prometheus, labelled by workload and thinking level: two requests (stream + not) per cell
+    text = urllib.request.urlopen(f"http://127.0.0.1:{stack['cfg'].metrics_port}/metrics", timeout=10).read().decode()
+    for workload in ("swe", "tool_use"):
+        for effort in ("none", "high"):
+            line = re.search(r'^dspine_proxy_requests_total\{(?=[^}]*workload="%s")(?=[^}]*thinking="%s")[^}]*\} (\S+)$'
+                             % (workload, effort), text, re.M)
+            assert line and float(line.group(1)) == 2.0, (workload, effort)
+    rounds = sum(r["verify_rounds"] for r in rows)
+    got = sum(float(v) for v in re.findall(r"^dspine_proxy_verify_rounds_total\{[^}]*\} (\S+)$", text, re.M))
+    assert got == rounds
+
+
+def test_the_proxy_refuses_a_missing_or_wrong_key(stack):
+    from openai import AuthenticationError, OpenAI
+
+    before_rows, before_server = len(_rows(stack["cfg"].db)), _server_requests(stack["server"])
+    for key in ("sk-wrong", "none"):
+        with pytest.raises(AuthenticationError) as e:
+            OpenAI(base_url=stack["proxy"] + "/v1", api_key=key, max_retries=0).chat.completions.create(
+                model="smol", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 401 and "key" in str(e.value)
+    req = urllib.request.Request(stack["proxy"] + "/v1/chat/completions", json.dumps(
+        {"model": "smol", "messages": [{"role": "user", "content": "hi"}]}).encode(), {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 401
+    time.sleep(1.0)
+    assert len(_rows(stack["cfg"].db)) == before_rows and _server_requests(stack["server"]) == before_server
+
+
+def test_dashboard_renders_the_recorded_data_in_chromium(stack):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Debian's chromium is needed (.ci/run installs it)"
+    db = stack["cfg"].db
+    rows = _wait_rows(db, 8)
+    assert len(rows) >= 8, "the proxy test records the data this test draws"
+    summary = AcceptanceStore(db).summary()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dspine.cli", "dashboard", "--db", db, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_http(url, proc, 60)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={stack['tmp'] / 'chromium'}", "--virtual-time-budget=8000", "--window-size=1240,1000"]
+        dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+        shot = ARTIFACTS / "dashboard.png"
+        subprocess.run(flags + [f"--screenshot={shot}", url], capture_output=True, timeout=120)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert 'data-rendered="1"' in dom, dom[:2000]
+    assert re.search(r'id="status"[^>]*data-requests="%d"' % summary["requests"], dom) or \
+        f'data-requests="{summary["requests"]}"' in dom
+    bars = {(m.group(1), m.group(2)): float(m.group(3)) for m in re.finditer(
+        r'<rect[^>]*class="tau-bar"[^>]*data-workload="([^"]+)"[^>]*data-thinking="([^"]+)"[^>]*data-tau="([^"]+)"', dom)}
+    want = {(c["workload"], c["thinking"]): c["tau_mean"] for c in summary["cells"] if c["tau_mean"] is not None}
+    assert set(bars) == set(want) and len(want) == 4
+    for k, v in want.items():
+        assert bars[k] == pytest.approx(v, abs=1e-4)
+    curves = re.findall(r'<polyline[^>]*class="slot-curve"[^>]*data-per-slot="([^"]+)"', dom)
+    assert len(curves) == 4
+    assert sorted(tuple(round(float(x), 4) for x in c.split()) for c in curves) == \
+        sorted(tuple(round(p, 4) for p in c["per_slot"]) for c in summary["cells"])
+    assert len(re.findall(r'class="rps-point"', dom)) == len(summary["series"]) >= 1
+    assert shot.is_file() and shot.stat().st_size > 10_000  # the screenshot, kept as a test artifact
+
+
+def _writer(db, start):
+    store = AcceptanceStore(db)
+    for i in range(start, start + 50):
+        store.append({"request_id": f"r{i}", "model": "m", "workload": "w", "thinking": "none", "stream": False,
+                      "accept_hist": [1, 2, 3, 0], "tau": AcceptanceStats(4, [1, 2, 3, 0]).tau})
+
+
+def test_store_is_append_only_and_safe_under_concurrent_writers(tmp_path):
+    db = str(tmp_path / "s.db")
+    AcceptanceStore(db)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(db, s)) for s in (0, 50, 100, 25)]  # the last overlaps two others
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    rows = AcceptanceStore(db).rows()
+    assert sorted(r["request_id"] for r in rows) == sorted(f"r{i}" for i in range(150))
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        sqlite3.connect(db).execute("DELETE FROM requests")
+    s = AcceptanceStore(db).summary()
+    assert s["cells"][0]["requests"] == 150
+    assert s["cells"][0]["tau_pooled"] == pytest.approx(AcceptanceStats(4, [150, 300, 450, 0]).tau)
