@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 from .drafter import DraftOutput, DSpineDraftModel, Injection
-from .sampling import SamplingParams, sample, warp_probs
+from .sampling import SamplingParams, sample, sample_inverse_cdf, warp_probs
 
 
 @dataclass
@@ -55,15 +57,17 @@ def walk_greedy(cand: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
 
 
 def walk_sample(cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, params: SamplingParams,
-                vocab: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled walk for slots 2..B-1 -> tokens (N, B-2), q (N, B-2, V) dense proposal distributions."""
+                vocab: int, generator: torch.Generator | None,
+                uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled walk for slots 2..B-1 -> tokens (N, B-2), q (N, B-2, V) dense proposal distributions.
+    With `uniforms` (N, B-2) the draws are inverse-CDF (the reference of kernels/transition.py)."""
     N, Bm1, K = cand.shape
     rows = torch.arange(N, device=cand.device)
     idx = first_idx
     toks, qs = [], []
     for j in range(Bm1 - 1):
         probs = warp_probs(S[rows, j, idx], params)  # (N, K) over slot j+2's candidates
-        idx = sample(probs, generator)
+        idx = sample(probs, generator) if uniforms is None else sample_inverse_cdf(probs, uniforms[:, j])
         toks.append(cand[rows, j + 1, idx])
         qs.append(torch.zeros(N, vocab, device=cand.device).scatter_(1, cand[:, j + 1], probs))
     if not toks:
@@ -86,6 +90,9 @@ def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
 
     N, Bm1, V = logits.shape
     K = min(cfg.top_k, V)
+    fast = kernels.enabled(logits)
+    if fast:
+        import kernels.transition as fused
     cand = logits.topk(K, dim=-1).indices  # (N, B-1, K)
     if greedy:
         q1, first_idx = None, None
@@ -99,10 +106,15 @@ def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
         S = logits.new_zeros(N, 0, K, K)
     else:
         last = str(cfg.num_hidden_layers - 1)
-        S = transition_scores(drafter.injections[last], drafter.norm, drafter.head, drafter.transfer_codes,
-                              out.h_pre[:, 0], out.feats[int(last)][:, 0], cand)
+        args = (drafter.injections[last], drafter.norm, drafter.head, drafter.transfer_codes, out.h_pre[:, 0],
+                out.feats[int(last)][:, 0], cand)
+        S = fused.fused_transition_scores(*args) if fast else transition_scores(*args)
     if greedy:
-        return Proposal(walk_greedy(cand, S), None)
-    rest, q_rest = walk_sample(cand, S, first_idx, params, V, generator)
+        return Proposal(fused.fused_walk_greedy(cand, S) if fast else walk_greedy(cand, S), None)
+    if fast:  # the kernel samples by inverse CDF from uniforms drawn here, on the request's generator
+        u = torch.rand(N, max(Bm1 - 1, 0), device=cand.device, generator=generator)
+        rest, q_rest = fused.fused_walk_sample(cand, S, first_idx, params, V, u)
+    else:
+        rest, q_rest = walk_sample(cand, S, first_idx, params, V, generator)
     tokens = torch.cat([cand[torch.arange(N), 0, first_idx][:, None], rest], dim=1)
     return Proposal(tokens, torch.cat([q1[:, None], q_rest], dim=1))

@@ -14,6 +14,8 @@ Design choices
   All slots read pre-update features: one parallel update per layer, the causal chain unfolds over depth.
 - Variants are config flags (`VARIANTS`): dspine injects after every layer, post_backbone after the last
   only, dflash never; the transition cache (decoding.py) is on whenever the last layer injects.
+- On CUDA at inference the injection runs as one fused Triton kernel per layer (kernels/injection.py; this
+  file's `Injection` is its reference); training and CPUs use the reference.
 - One forward serves inference (one block per row, context K/V from a cache) and training (many blocks
   per sequence in one attention call under a block mask).
 """
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import kernels
 
 from .config import ConfigError
 
@@ -349,7 +353,12 @@ class DSpineDraftModel(nn.Module):
             if str(i) in self.injections:
                 if i == last:
                     h_pre = h
-                h, feats[i] = self.injections[str(i)](h, anchor_code)
+                if kernels.enabled(h):
+                    from kernels.injection import fused_injection
+
+                    h, feats[i] = fused_injection(self.injections[str(i)], h, anchor_code)
+                else:
+                    h, feats[i] = self.injections[str(i)](h, anchor_code)
         return DraftOutput(hidden=h, h_pre=h_pre, feats=feats)
 
 

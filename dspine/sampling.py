@@ -61,3 +61,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """probs (..., V) -> token ids (...)."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs (..., V), uniforms u (...) in [0, 1) -> the first index whose cumulative mass exceeds u·total
+    (the sampler the fused walk kernel uses, given the same uniforms)."""
+    cdf = probs.float().cumsum(-1)
+    idx = (cdf <= u[..., None] * cdf[..., -1:]).sum(-1)
+    return idx.clamp(max=probs.shape[-1] - 1)

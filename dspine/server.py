@@ -339,3 +339,44 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, cfg: ServeC
     import uvicorn
 
     uvicorn.run(create_app(Service(engine, cfg, drafter_name)), host=host, port=port, log_level="warning")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc, seconds: float = 120) -> None:
+    """Until `url` answers 200; raises with the process's output if it exits first."""
+    import urllib.request
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(url, timeout=1).status == 200:
+                return
+        except OSError:
+            if proc.poll() is not None:
+                out = proc.stdout.read().decode()[-3000:] if proc.stdout else ""
+                raise RuntimeError(f"{' '.join(map(str, proc.args[:4]))} exited: {out}") from None
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{url} did not come up within {seconds:.0f} s")
+
+
+def start_server_process(drafter: str | None = None, name: str = "dspine", target: str | None = None,
+                         port: int | None = None, extra: list[str] | None = None, log=None):
+    """`dspine serve` as a child process on 127.0.0.1 -> (process, base URL), once /health answers."""
+    import subprocess
+    import sys
+
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "dspine.cli", "serve", "--port", str(port), "--served-model-name", name]
+    cmd += (["--drafter", str(drafter)] if drafter else []) + (["--target", target] if target else []) + (extra or [])
+    proc = subprocess.Popen(cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    wait_http(base + "/health", proc, 240)
+    return proc, base

@@ -1,0 +1,27 @@
+"""Triton kernels beside their eager references in dspine/ (each module names its reference).
+
+Triton is imported lazily, inside the kernel builders, so CPU installs without it work. `enabled(x)` says
+whether a tensor's computation should take the fused path: on CUDA, without autograd (the kernels have no
+backward), unless DSPINE_KERNELS=0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled(x) -> bool:
+    import torch
+
+    return (x.is_cuda and not torch.is_grad_enabled() and os.environ.get("DSPINE_KERNELS", "1") != "0"
+            and available())

@@ -6,11 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import torch
@@ -22,6 +17,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 from dspine.drafter import DSpineDraftModel  # noqa: E402
 from dspine.engine import Engine  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
+from dspine.server import free_port, start_server_process, wait_http  # noqa: E402,F401
 from dspine.target import Target, load_target  # noqa: E402
 from dspine.train import TrainConfig, train_drafter  # noqa: E402
 
@@ -118,37 +114,11 @@ def smollm2_drafters(smollm2, smollm2_pairs):
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, seconds: float = 120) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(url, timeout=1).status == 200:
-                return
-        except OSError:
-            if proc.poll() is not None:
-                out = proc.stdout.read().decode()[-3000:] if proc.stdout else ""
-                raise RuntimeError(f"{proc.args[:4]} exited: {out}")
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{url} did not come up")
-
-
 @contextlib.contextmanager
 def running_server(ckpt, name: str = "smol", max_prompt_tokens: int = 200):
     """The real `dspine serve` on a free 127.0.0.1 port (SmolLM2 + the given drafter); yields its base URL."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dspine.cli", "serve", "--drafter", str(ckpt), "--port", str(port),
-                             "--served-model-name", name, "--max-prompt-tokens", str(max_prompt_tokens)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_server_process(ckpt, name, extra=["--max-prompt-tokens", str(max_prompt_tokens)])
     try:
-        wait_http(base + "/health", proc, 240)
         yield base
     finally:
         proc.terminate()

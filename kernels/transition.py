@@ -1,0 +1,151 @@
+"""Transition cache + walk (Triton): the K×K scores of the redone last write, then the greedy or sampled
+left-to-right walk with the proposal probabilities out.
+
+References (dspine.decoding): `transition_scores` — for slot t >= 2 and each predecessor candidate a,
+h'_{t|a} = h_pre_t + W(σ(A f_t + b + P T[a]) ⊙ M T[a]), S_t[a, b] = <W_out[b], norm(h'_{t|a})>;
+`walk_greedy`; `walk_sample` given uniforms (temperature, top-k, top-p over the K candidates, inverse-CDF).
+
+Scores: one program per (row, slot); the K predecessors are the M side of the dots (padded to 16), the
+RMS scale is applied to the finished dot products (norm is a per-row scalar times a weight). Walks: one
+program per row, B-2 dependent steps over K values each — a table lookup, as the method intends.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .injection import _pow2
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scores_kernel(HPRE, F, CAND, CODES, HEAD, NORMW, WA, BA, WP, WM, WW, OUT, B, K, R, S, eps,
+                      D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_S: tl.constexpr, PREC: tl.constexpr):
+        n = tl.program_id(0)
+        j = tl.program_id(1)  # slot t = j + 2; predecessor candidates cand[n, j], successors cand[n, j + 1]
+        t = j + 2
+        kk = tl.arange(0, BLOCK_K)
+        rr = tl.arange(0, BLOCK_R)
+        ss = tl.arange(0, BLOCK_S)
+        dd = tl.arange(0, BLOCK_D)
+        k_ok = kk < K
+        r_ok = rr < R
+        s_ok = ss < S
+        a = tl.load(CAND + (n * (B - 1) + j) * K + kk, mask=k_ok, other=0)
+        b = tl.load(CAND + (n * (B - 1) + j + 1) * K + kk, mask=k_ok, other=0)
+        code = tl.load(CODES + a[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+        f = tl.load(F + (n * B + t) * R + rr, mask=r_ok, other=0.0).to(tl.float32)
+        w_mask = r_ok[:, None] & s_ok[None, :]
+        wa = tl.load(WA + ss[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)  # (R, S)
+        wp = tl.load(WP + ss[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)
+        wm = tl.load(WM + ss[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)
+        ga = tl.sum(f[:, None] * wa, axis=0) + tl.load(BA + ss, mask=s_ok, other=0.0).to(tl.float32)
+        g = tl.sigmoid(ga[None, :] + tl.dot(code, wp, input_precision=PREC)) * tl.dot(code, wm, input_precision=PREC)
+        acc = tl.zeros((BLOCK_K, BLOCK_K), tl.float32)
+        sq = tl.zeros((BLOCK_K,), tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d_ok = (d0 + dd) < D
+            ww = tl.load(WW + (d0 + dd)[None, :] * S + ss[:, None], mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            hp = tl.load(HPRE + (n * B + t) * D + d0 + dd, mask=d_ok, other=0.0).to(tl.float32)
+            h = hp[None, :] + tl.dot(g, ww, input_precision=PREC)  # (BLOCK_K, BLOCK_D)
+            sq += tl.sum(h * h, axis=1)
+            nw = tl.load(NORMW + d0 + dd, mask=d_ok, other=0.0).to(tl.float32)
+            succ = tl.load(HEAD + b[None, :] * D + (d0 + dd)[:, None], mask=d_ok[:, None] & k_ok[None, :],
+                           other=0.0).to(tl.float32)  # (BLOCK_D, BLOCK_K)
+            acc += tl.dot(h * nw[None, :], succ, input_precision=PREC)
+        acc = acc * tl.rsqrt(sq / D + eps)[:, None]
+        o = ((n * (B - 2) + j) * K + kk[:, None]) * K + kk[None, :]
+        tl.store(OUT + o, acc, mask=k_ok[:, None] & k_ok[None, :])
+
+    @triton.jit
+    def walk_kernel(CAND, SC, FIRST, U, TOK, Q, K, temperature, top_k, top_p,
+                    B: tl.constexpr, BLOCK_K: tl.constexpr, SAMPLE: tl.constexpr):
+        n = tl.program_id(0)
+        kk = tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        if SAMPLE:
+            idx = tl.load(FIRST + n).to(tl.int32)
+        else:
+            idx = tl.full([], 0, tl.int32)
+            tl.store(TOK + n * (B - 1), tl.load(CAND + n * (B - 1) * K))
+        for j in range(0, B - 2):
+            row = tl.load(SC + ((n * (B - 2) + j) * K + idx) * K + kk, mask=k_ok, other=float("-inf"))
+            if SAMPLE:
+                x = row / temperature
+                x2 = tl.where(k_ok, x, float("-inf"))
+                # top-k: keep a candidate when fewer than top_k others are strictly larger
+                above = tl.sum((x2[None, :] > x2[:, None]).to(tl.int32), axis=1)
+                keep = k_ok & ((top_k <= 0) | (above < top_k))
+                x3 = tl.where(keep, x2, float("-inf"))
+                e = tl.where(keep, tl.exp(x3 - tl.max(x3, axis=0)), 0.0)
+                p = e / tl.sum(e, axis=0)
+                # top-p: drop a candidate when the mass ranked strictly above it already reaches top_p
+                ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (kk[None, :] < kk[:, None]))
+                before = tl.sum(tl.where(ahead, p[None, :], 0.0), axis=1)
+                p = tl.where(keep & ((top_p >= 1.0) | (before < top_p)), p, 0.0)
+                p = p / tl.sum(p, axis=0)
+                tl.store(Q + (n * (B - 2) + j) * K + kk, p, mask=k_ok)
+                cdf = tl.cumsum(p, axis=0)
+                u = tl.load(U + n * (B - 2) + j)
+                idx = tl.minimum(tl.sum(((cdf <= u * tl.sum(p, axis=0)) & k_ok).to(tl.int32), axis=0), K - 1)
+                tl.store(TOK + n * (B - 2) + j, tl.load(CAND + (n * (B - 1) + j + 1) * K + idx))
+            else:
+                idx = tl.argmax(row, axis=0).to(tl.int32)
+                tl.store(TOK + n * (B - 1) + j + 1, tl.load(CAND + (n * (B - 1) + j + 1) * K + idx))
+
+    return scores_kernel, walk_kernel
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fused_transition_scores(inj, norm, head: torch.Tensor, codes: torch.Tensor, h_pre: torch.Tensor,
+                            f: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """Same contract as dspine.decoding.transition_scores: h_pre (N, B, d), f (N, B, r), cand (N, B-1, K)
+    -> S (N, B-2, K, K) fp32."""
+    N, B, D = h_pre.shape
+    K = cand.shape[-1]
+    R, S = inj.readout.out_features, inj.message.out_features
+    out = torch.empty(N, max(B - 2, 0), K, K, device=h_pre.device, dtype=torch.float32)
+    if B <= 2:
+        return out
+    scores, _ = _kernels()
+    scores[(N, B - 2)](h_pre.contiguous(), f.contiguous(), cand.contiguous(), codes, head, norm.weight,
+                       inj.gate_f.weight, inj.gate_f.bias, inj.gate_p.weight, inj.message.weight, inj.write.weight,
+                       out, B, K, R, S, float(norm.eps), D=D, BLOCK_K=_pow2(K), BLOCK_D=64, BLOCK_R=_pow2(R),
+                       BLOCK_S=_pow2(S), PREC=_prec(h_pre.dtype))
+    return out
+
+
+def fused_walk_greedy(cand: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """Same contract as dspine.decoding.walk_greedy: cand (N, B-1, K), S (N, B-2, K, K) -> tokens (N, B-1)."""
+    N, Bm1, K = cand.shape
+    tok = torch.empty(N, Bm1, dtype=cand.dtype, device=cand.device)
+    _, walk = _kernels()
+    dummy = S.new_empty(1)
+    walk[(N,)](cand.contiguous(), S.contiguous(), cand, dummy, tok, dummy, K, 1.0, 0, 1.0,
+               B=Bm1 + 1, BLOCK_K=_pow2(K), SAMPLE=False)
+    return tok
+
+
+def fused_walk_sample(cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, params, vocab: int,
+                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as dspine.decoding.walk_sample with `uniforms` (N, B-2): tokens (N, B-2), q (N, B-2, V)."""
+    N, Bm1, K = cand.shape
+    tok = torch.empty(N, max(Bm1 - 1, 0), dtype=cand.dtype, device=cand.device)
+    qk = torch.zeros(N, max(Bm1 - 1, 0), K, dtype=torch.float32, device=cand.device)
+    if Bm1 > 1:
+        _, walk = _kernels()
+        walk[(N,)](cand.contiguous(), S.contiguous(), first_idx.contiguous(), uniforms.float().contiguous(), tok, qk,
+                   K, float(params.temperature), int(params.top_k), float(params.top_p),
+                   B=Bm1 + 1, BLOCK_K=_pow2(K), SAMPLE=True)
+    q = torch.zeros(N, max(Bm1 - 1, 0), vocab, device=cand.device).scatter_(2, cand[:, 1:], qk)
+    return tok, q
