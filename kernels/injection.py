@@ -5,14 +5,17 @@ p_t = f_{t-1} (slot 1: the anchor's code T[x_0]), gate σ(A f_t + b + P p_t), me
 h_t += W (gate ⊙ message) for slots t >= 1, all slots in parallel from the pre-update features.
 
 One program owns BLOCK_M consecutive (row, slot) pairs. It computes the readouts of its own slots and of
-their predecessors (the slot one row up: "both features"), so no second pass or grid-wide sync is needed;
-the RMS scale is applied after the readout product (R·(h·s) = s·(R·h)). fp32 uses IEEE dots (parity with
-the reference); bf16 inputs use TF32, which represents bf16 exactly.
+their predecessors (the slot one row up: "both features"), so no grid-wide sync is needed; the RMS scale
+is applied after the readout product (R·(h·s) = s·(R·h)). The message dimension is walked in 16-wide
+chunks (weight tiles small enough for shared memory at r = s = 256) and gate ⊙ message is parked in
+global scratch rows that only this program touches, then read back for the write-back. Dots run in the
+weights' dtype with fp32 accumulation; fp32 uses IEEE dots (parity with the reference).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -23,9 +26,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def injection_kernel(H, OUT, F, ANC, WR, BR, WA, BA, WP, WM, WW, n_rows, B, R, S, eps, D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_S: tl.constexpr, PREC: tl.constexpr):
+    def injection_kernel(H, OUT, F, MSG, ANC, WR, BR, WA, BA, WP, WM, WW, n_rows, B, eps, D: tl.constexpr,
+                         R: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         live = rows < n_rows
@@ -33,49 +36,65 @@ def _kernel():
         blk = rows // B
         prev_live = live & (slot >= 2)
         rr = tl.arange(0, BLOCK_R)
-        ss = tl.arange(0, BLOCK_S)
+        sc = tl.arange(0, BLOCK_S)
         dd = tl.arange(0, BLOCK_D)
         r_ok = rr < R
-        s_ok = ss < S
-        # readouts of the own and the predecessor slots, unnormalised, plus their sums of squares
+        wdt = tl.float32 if DOT_F32 else WR.dtype.element_ty
+        # 1. readouts of the own and the predecessor slots (unnormalised) and their sums of squares
         f_own = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
         f_prev = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
         sq_own = tl.zeros((BLOCK_M,), tl.float32)
         sq_prev = tl.zeros((BLOCK_M,), tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d_ok = (d0 + dd) < D
-            x = tl.load(H + rows[:, None] * D + d0 + dd[None, :], mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(H + rows[:, None] * D + d0 + dd[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
             xp = tl.load(H + (rows - 1)[:, None] * D + d0 + dd[None, :], mask=prev_live[:, None] & d_ok[None, :],
-                         other=0.0).to(tl.float32)
-            wr = tl.load(WR + rr[None, :] * D + d0 + dd[:, None], mask=r_ok[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
-            f_own += tl.dot(x, wr, input_precision=PREC)
-            f_prev += tl.dot(xp, wr, input_precision=PREC)
-            sq_own += tl.sum(x * x, axis=1)
-            sq_prev += tl.sum(xp * xp, axis=1)
+                         other=0.0)
+            wr = tl.load(WR + rr[None, :] * D + d0 + dd[:, None], mask=r_ok[None, :] & d_ok[:, None], other=0.0).to(wdt)
+            f_own += tl.dot(x.to(wdt), wr, input_precision=PREC)
+            f_prev += tl.dot(xp.to(wdt), wr, input_precision=PREC)
+            sq_own += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+            sq_prev += tl.sum(xp.to(tl.float32) * xp.to(tl.float32), axis=1)
         br = tl.load(BR + rr, mask=r_ok, other=0.0).to(tl.float32)
         f_own = f_own * tl.rsqrt(sq_own / D + eps)[:, None] + br[None, :]
         f_prev = f_prev * tl.rsqrt(sq_prev / D + eps)[:, None] + br[None, :]
         anc = tl.load(ANC + blk[:, None] * R + rr[None, :], mask=(live & (slot == 1))[:, None] & r_ok[None, :],
                       other=0.0).to(tl.float32)
-        p = tl.where((slot == 1)[:, None], anc, f_prev)
+        p = tl.where((slot == 1)[:, None], anc, f_prev).to(wdt)
         tl.store(F + rows[:, None] * R + rr[None, :], f_own.to(F.dtype.element_ty), mask=live[:, None] & r_ok[None, :])
-        # gate and message: (BLOCK_M, R) x (R, S)
-        w_mask = r_ok[:, None] & s_ok[None, :]
-        wa = tl.load(WA + ss[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)
-        wp = tl.load(WP + ss[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)
-        wm = tl.load(WM + ss[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)
-        ba = tl.load(BA + ss, mask=s_ok, other=0.0).to(tl.float32)
-        g = tl.dot(f_own, wa, input_precision=PREC) + tl.dot(p, wp, input_precision=PREC) + ba[None, :]
-        msg = tl.sigmoid(g) * tl.dot(p, wm, input_precision=PREC)
+        fo = f_own.to(wdt)
+        # 2. gate ⊙ message, S in chunks (keeps the weight tiles small), parked in this program's scratch rows
+        for s0 in range(0, S, BLOCK_S):
+            s_ok = (s0 + sc) < S
+            w_mask = r_ok[:, None] & s_ok[None, :]
+            wa = tl.load(WA + (s0 + sc)[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(wdt)
+            wp = tl.load(WP + (s0 + sc)[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(wdt)
+            wm = tl.load(WM + (s0 + sc)[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(wdt)
+            ba = tl.load(BA + s0 + sc, mask=s_ok, other=0.0).to(tl.float32)
+            g = tl.dot(fo, wa, input_precision=PREC) + tl.dot(p, wp, input_precision=PREC) + ba[None, :]
+            m = tl.sigmoid(g) * tl.dot(p, wm, input_precision=PREC)
+            tl.store(MSG + rows[:, None] * S + s0 + sc[None, :], m, mask=live[:, None] & s_ok[None, :])
+        tl.debug_barrier()
+        # 3. write-back h += W (gate ⊙ message) for slots >= 1
         writes = live & (slot >= 1)
         for d0 in range(0, D, BLOCK_D):
             d_ok = (d0 + dd) < D
-            ww = tl.load(WW + (d0 + dd)[None, :] * S + ss[:, None], mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            x = tl.load(H + rows[:, None] * D + d0 + dd[None, :], mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            y = x + tl.where(writes[:, None], tl.dot(msg, ww, input_precision=PREC), 0.0)
+            acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            for s0 in range(0, S, BLOCK_S):
+                s_ok = (s0 + sc) < S
+                m = tl.load(MSG + rows[:, None] * S + s0 + sc[None, :], mask=live[:, None] & s_ok[None, :], other=0.0)
+                ww = tl.load(WW + (d0 + dd)[None, :] * S + s0 + sc[:, None], mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(wdt)
+                acc += tl.dot(m.to(wdt), ww, input_precision=PREC)
+            x = tl.load(H + rows[:, None] * D + d0 + dd[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
+            y = x.to(tl.float32) + tl.where(writes[:, None], acc, 0.0)
             tl.store(OUT + rows[:, None] * D + d0 + dd[None, :], y.to(OUT.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
 
     return injection_kernel
+
+
+def interpreting() -> bool:
+    """Under TRITON_INTERPRET=1 dots run in fp32 (the interpreter's bf16 dots are not faithful)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -90,13 +109,14 @@ def fused_injection(inj, h: torch.Tensor, anchor_code: torch.Tensor) -> tuple[to
     out = torch.empty_like(h)
     f = torch.empty(N, nb, B, R, device=h.device, dtype=h.dtype)
     n_rows = N * nb * B
+    msg = torch.empty(n_rows, S, device=h.device, dtype=torch.float32)  # per-program scratch (gate ⊙ message)
     BLOCK_M = 16
-    grid = (triton_cdiv(n_rows, BLOCK_M),)
-    _kernel()[grid](h, out, f, anchor_code.to(h.dtype).contiguous(), inj.readout.weight, inj.readout.bias,
-                    inj.gate_f.weight, inj.gate_f.bias, inj.gate_p.weight, inj.message.weight, inj.write.weight,
-                    n_rows, B, R, S, float(torch.finfo(h.dtype).eps), D=D,
-                    BLOCK_M=BLOCK_M, BLOCK_D=64, BLOCK_R=_pow2(R), BLOCK_S=_pow2(S),
-                    PREC="ieee" if h.dtype == torch.float32 else "tf32")
+    _kernel()[(triton_cdiv(n_rows, BLOCK_M),)](
+        h, out, f, msg, anchor_code.to(h.dtype).contiguous(), inj.readout.weight, inj.readout.bias,
+        inj.gate_f.weight, inj.gate_f.bias, inj.gate_p.weight, inj.message.weight, inj.write.weight,
+        n_rows, B, float(torch.finfo(h.dtype).eps), D=D, R=R, S=S, BLOCK_M=BLOCK_M, BLOCK_D=32,
+        BLOCK_R=_pow2(R), BLOCK_S=16, PREC="ieee" if h.dtype == torch.float32 else "tf32",
+        DOT_F32=h.dtype == torch.float32 or interpreting(), num_stages=2)
     return out, f
 
 

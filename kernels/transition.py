@@ -5,8 +5,9 @@ References (dspine.decoding): `transition_scores` — for slot t >= 2 and each p
 h'_{t|a} = h_pre_t + W(σ(A f_t + b + P T[a]) ⊙ M T[a]), S_t[a, b] = <W_out[b], norm(h'_{t|a})>;
 `walk_greedy`; `walk_sample` given uniforms (temperature, top-k, top-p over the K candidates, inverse-CDF).
 
-Scores: one program per (row, slot); the K predecessors are the M side of the dots (padded to 16), the
-RMS scale is applied to the finished dot products (norm is a per-row scalar times a weight). Walks: one
+Scores: one program per (row, slot); the K predecessors are the M side of the dots (padded to 16); gate ⊙
+message is built in 16-wide chunks of the message dimension into scratch rows only this program touches;
+the RMS scale is applied to the finished dot products (norm is a per-row scalar times a weight). Walks: one
 program per row, B-2 dependent steps over K values each — a table lookup, as the method intends.
 """
 
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-from .injection import _pow2
+from .injection import _pow2, interpreting
 
 
 @functools.cache
@@ -25,41 +26,54 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def scores_kernel(HPRE, F, CAND, CODES, HEAD, NORMW, WA, BA, WP, WM, WW, OUT, B, K, R, S, eps,
-                      D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_S: tl.constexpr, PREC: tl.constexpr):
+    def scores_kernel(HPRE, F, CAND, CODES, HEAD, NORMW, WA, BA, WP, WM, WW, G, OUT, B, K, eps,
+                      D: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                      DOT_F32: tl.constexpr):
         n = tl.program_id(0)
         j = tl.program_id(1)  # slot t = j + 2; predecessor candidates cand[n, j], successors cand[n, j + 1]
         t = j + 2
         kk = tl.arange(0, BLOCK_K)
         rr = tl.arange(0, BLOCK_R)
-        ss = tl.arange(0, BLOCK_S)
+        sc = tl.arange(0, BLOCK_S)
         dd = tl.arange(0, BLOCK_D)
         k_ok = kk < K
         r_ok = rr < R
-        s_ok = ss < S
+        wdt = tl.float32 if DOT_F32 else WW.dtype.element_ty
         a = tl.load(CAND + (n * (B - 1) + j) * K + kk, mask=k_ok, other=0)
         b = tl.load(CAND + (n * (B - 1) + j + 1) * K + kk, mask=k_ok, other=0)
-        code = tl.load(CODES + a[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+        code = tl.load(CODES + a[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(wdt)
         f = tl.load(F + (n * B + t) * R + rr, mask=r_ok, other=0.0).to(tl.float32)
-        w_mask = r_ok[:, None] & s_ok[None, :]
-        wa = tl.load(WA + ss[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)  # (R, S)
-        wp = tl.load(WP + ss[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)
-        wm = tl.load(WM + ss[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)
-        ga = tl.sum(f[:, None] * wa, axis=0) + tl.load(BA + ss, mask=s_ok, other=0.0).to(tl.float32)
-        g = tl.sigmoid(ga[None, :] + tl.dot(code, wp, input_precision=PREC)) * tl.dot(code, wm, input_precision=PREC)
+        gbase = G + (n * (B - 2) + j) * BLOCK_K * S
+        # gate ⊙ message of every predecessor candidate, S in chunks, parked in this program's scratch
+        for s0 in range(0, S, BLOCK_S):
+            s_ok = (s0 + sc) < S
+            w_mask = r_ok[:, None] & s_ok[None, :]
+            wa = tl.load(WA + (s0 + sc)[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(tl.float32)
+            wp = tl.load(WP + (s0 + sc)[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(wdt)
+            wm = tl.load(WM + (s0 + sc)[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(wdt)
+            ga = tl.sum(f[:, None] * wa, axis=0) + tl.load(BA + s0 + sc, mask=s_ok, other=0.0).to(tl.float32)
+            g = tl.sigmoid(ga[None, :] + tl.dot(code, wp, input_precision=PREC)) * tl.dot(code, wm, input_precision=PREC)
+            tl.store(gbase + kk[:, None] * S + s0 + sc[None, :], g, mask=s_ok[None, :])
+        tl.debug_barrier()
         acc = tl.zeros((BLOCK_K, BLOCK_K), tl.float32)
         sq = tl.zeros((BLOCK_K,), tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d_ok = (d0 + dd) < D
-            ww = tl.load(WW + (d0 + dd)[None, :] * S + ss[:, None], mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.zeros((BLOCK_K, BLOCK_D), tl.float32)
+            for s0 in range(0, S, BLOCK_S):
+                s_ok = (s0 + sc) < S
+                g = tl.load(gbase + kk[:, None] * S + s0 + sc[None, :], mask=s_ok[None, :], other=0.0).to(wdt)
+                ww = tl.load(WW + (d0 + dd)[None, :] * S + s0 + sc[:, None], mask=s_ok[:, None] & d_ok[None, :],
+                             other=0.0).to(wdt)
+                w += tl.dot(g, ww, input_precision=PREC)
             hp = tl.load(HPRE + (n * B + t) * D + d0 + dd, mask=d_ok, other=0.0).to(tl.float32)
-            h = hp[None, :] + tl.dot(g, ww, input_precision=PREC)  # (BLOCK_K, BLOCK_D)
+            h = hp[None, :] + w  # (BLOCK_K, BLOCK_D): the redone hidden of each predecessor candidate
             sq += tl.sum(h * h, axis=1)
             nw = tl.load(NORMW + d0 + dd, mask=d_ok, other=0.0).to(tl.float32)
             succ = tl.load(HEAD + b[None, :] * D + (d0 + dd)[:, None], mask=d_ok[:, None] & k_ok[None, :],
-                           other=0.0).to(tl.float32)  # (BLOCK_D, BLOCK_K)
-            acc += tl.dot(h * nw[None, :], succ, input_precision=PREC)
+                           other=0.0).to(wdt)  # (BLOCK_D, BLOCK_K)
+            acc += tl.dot((h * nw[None, :]).to(wdt), succ, input_precision=PREC)
         acc = acc * tl.rsqrt(sq / D + eps)[:, None]
         o = ((n * (B - 2) + j) * K + kk[:, None]) * K + kk[None, :]
         tl.store(OUT + o, acc, mask=k_ok[:, None] & k_ok[None, :])
@@ -118,10 +132,13 @@ def fused_transition_scores(inj, norm, head: torch.Tensor, codes: torch.Tensor, 
     if B <= 2:
         return out
     scores, _ = _kernels()
+    BK = _pow2(K)
+    g = torch.empty(N, B - 2, BK, S, device=h_pre.device, dtype=torch.float32)  # per-program scratch
     scores[(N, B - 2)](h_pre.contiguous(), f.contiguous(), cand.contiguous(), codes, head, norm.weight,
                        inj.gate_f.weight, inj.gate_f.bias, inj.gate_p.weight, inj.message.weight, inj.write.weight,
-                       out, B, K, R, S, float(norm.eps), D=D, BLOCK_K=_pow2(K), BLOCK_D=64, BLOCK_R=_pow2(R),
-                       BLOCK_S=_pow2(S), PREC=_prec(h_pre.dtype))
+                       g, out, B, K, float(norm.eps), D=D, R=R, S=S, BLOCK_K=BK, BLOCK_D=32, BLOCK_R=_pow2(R),
+                       BLOCK_S=16, PREC=_prec(h_pre.dtype), DOT_F32=h_pre.dtype == torch.float32 or interpreting(),
+                       num_stages=2)
     return out
 
 

@@ -23,7 +23,7 @@ from kernels.transition import fused_transition_scores, fused_walk_greedy, fused
 DEV = "cuda" if CUDA else "cpu"
 pytestmark = [pytest.mark.gpu] if CUDA else []
 # (N, B, K, d, r, s): batch 1-32, both block sizes, every K; the first row is the real target's width
-SHAPES = [(1, 16, 8, 576, 256, 256), (3, 8, 4, 64, 32, 48), (32, 16, 16, 64, 32, 32), (5, 16, 4, 96, 64, 64)]
+SHAPES = [(1, 16, 8, 576, 256, 256), (3, 8, 4, 64, 32, 48), (32, 8, 16, 64, 32, 32), (5, 16, 4, 96, 64, 64)]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the largest magnitude
 
 
@@ -73,7 +73,9 @@ def test_fused_transition_and_walks_match_reference(shape, dtype):
         ref = transition_scores(inj, norm, head, codes, h_pre, f, cand)
         got = fused_transition_scores(inj, norm, head, codes, h_pre, f, cand)
     assert got.shape == (N, B - 2, K, K) and _close(got, ref, dtype)
-    # the walks read one score table, so they must agree exactly
+    # the walks read one score table, so they must agree exactly (jitter: no exact ties, whose order the
+    # reference's sort leaves open)
+    ref = ref + torch.rand(ref.shape, generator=g).to(DEV) * 1e-3
     assert torch.equal(fused_walk_greedy(cand, ref), walk_greedy(cand, ref))
     first = torch.randint(0, K, (N,), generator=g).to(DEV)
     u = torch.rand(N, B - 2, generator=g).to(DEV)
