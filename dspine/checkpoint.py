@@ -78,21 +78,16 @@ def config_from_json(data: dict) -> DSpineConfig:
         raise CheckpointError(str(e)) from None
 
 
-def save_drafter(model: DSpineDraftModel, path: str | Path, extra: dict | None = None) -> Path:
-    """Write `path/config.json` and `path/model.safetensors` atomically (temp folder, then rename)."""
+def write_folder(path: str | Path, files: dict) -> Path:
+    """Write a folder atomically: `files` maps a name to a callable(file path); temp folder, then rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(path.parent, os.W_OK):
         raise CheckpointError(f"cannot write a checkpoint under {path.parent}: permission denied")
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        dtype = next(iter(state.values())).dtype
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        cfg = config_to_json(model.config, dtype)
-        if extra:
-            cfg["dspine_training"] = extra
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        for name, write in files.items():
+            write(tmp / name)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -103,6 +98,20 @@ def save_drafter(model: DSpineDraftModel, path: str | Path, extra: dict | None =
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def save_drafter(model: DSpineDraftModel, path: str | Path, extra: dict | None = None,
+                 config_overrides: dict | None = None) -> Path:
+    """Write `path/config.json` and `path/model.safetensors` atomically (temp folder, then rename)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    dtype = next(iter(state.values())).dtype
+    cfg = config_to_json(model.config, dtype)
+    cfg.update(config_overrides or {})
+    if extra:
+        cfg["dspine_training"] = extra
+    return write_folder(path, {
+        "model.safetensors": lambda p: save_file(state, str(p), metadata={"format": "pt"}),
+        "config.json": lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n")})
 
 
 def read_config(path: str | Path) -> DSpineConfig:

@@ -119,6 +119,17 @@ def _parser() -> argparse.ArgumentParser:
     db.add_argument("--port", type=int, default=8050, help="port (default: %(default)s)")
     db.add_argument("--bucket-seconds", type=float, default=60.0, help="time-series bucket (default: %(default)s)")
 
+    x = sub.add_parser("export", help="write a drafter checkpoint that SGLang loads",
+                       description="Export a drafter for SGLang: DFlash's config fields and weight names "
+                                   "(DFlashDraftModel for a dflash drafter, DSpineDraftModel — registered by the "
+                                   "dspine SGLang plugin — otherwise), in the chosen dtype, validated so that a "
+                                   "missing or extra weight name is an error (SGLang itself would skip it).")
+    x.add_argument("--to", choices=("sglang",), default="sglang", help="the serving stack (default: %(default)s)")
+    x.add_argument("--drafter", required=True, help="drafter checkpoint folder")
+    x.add_argument("--out", required=True, help="export folder (written atomically)")
+    x.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="weights' dtype (default: %(default)s; the code table stays fp32)")
+
     e = sub.add_parser("eval", help="acceptance per benchmark for AR and any set of drafters",
                        description="Decode benchmark prompts through the engine with AR and each drafter, at each "
                                    "temperature; write JSON (git sha, command, hardware, config hashes) and a "
@@ -134,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default: %(default)s)")
     e.add_argument("--out", required=True, help="JSON file to write (a .md table is written beside it)")
     e.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    e.add_argument("--workers", type=int, default=1,
+                   help="engine processes sharing the device (results identical to 1; several help on a GPU, "
+                        "where one batch-1 engine is launch-bound) (default: %(default)s)")
     return ap
 
 
@@ -307,6 +321,13 @@ def cmd_dashboard(a) -> int:
     return 0
 
 
+def cmd_export(a) -> int:
+    from .export import export_sglang
+
+    print(json.dumps(export_sglang(a.drafter, a.out, _dtype(a.dtype))))
+    return 0
+
+
 def cmd_eval(a) -> int:
     import os
 
@@ -335,7 +356,10 @@ def cmd_eval(a) -> int:
         raise UsageError(f"cannot write {a.out}")
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafters = {n: load_drafter(p, target, dtype=_dtype(a.dtype), device=a.device) for n, p in specs.items()}
-    doc = evaluate(target, drafters, benches, a.limit, temps, a.max_new_tokens, progress=not a.no_progress)
+    if a.workers < 1:
+        raise UsageError("--workers must be >= 1")
+    doc = evaluate(target, drafters, benches, a.limit, temps, a.max_new_tokens, progress=not a.no_progress,
+                   workers=a.workers, target_spec=(a.target, a.dtype, a.device), drafter_paths=specs)
     write_results(doc, a.out)
     print(markdown_table(doc))
     return 0
@@ -358,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         a.overrides += extra
     try:
         return {"generate": cmd_generate, "regen": cmd_regen, "train": cmd_train, "eval": cmd_eval,
-                "serve": cmd_serve, "proxy": cmd_proxy, "dashboard": cmd_dashboard}[a.verb](a)
+                "serve": cmd_serve, "proxy": cmd_proxy, "dashboard": cmd_dashboard,
+                "export": cmd_export}[a.verb](a)
     except (CheckpointError, ConfigError, RequestError, TargetError, UsageError, RegenError) as e:
         print(f"dspine {a.verb}: error: {e}", file=sys.stderr)
         return 2

@@ -25,10 +25,12 @@ import hmac
 import os
 import time
 
-from litellm.integrations.custom_logger import CustomLogger
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import (the cost map is local)
 
-from .stats import AcceptanceStats
-from .store import AcceptanceStore
+from litellm.integrations.custom_logger import CustomLogger  # noqa: E402
+
+from .stats import AcceptanceStats  # noqa: E402
+from .store import AcceptanceStore  # noqa: E402
 
 _METRICS = None
 

@@ -12,6 +12,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from dspine.drafter import DSpineDraftModel  # noqa: E402
