@@ -6,7 +6,7 @@ h_t += W (gate ⊙ message) for slots t >= 1, all slots in parallel from the pre
 
 One program owns BLOCK_M consecutive (row, slot) pairs. It computes the readouts of its own slots and of
 their predecessors (the slot one row up: "both features"), so no grid-wide sync is needed; the RMS scale
-is applied after the readout product (R·(h·s) = s·(R·h)). The message dimension is walked in 16/32-wide
+is applied after the readout product (R·(h·s) = s·(R·h)). The message dimension is walked in 16-wide
 chunks (weight tiles small enough for shared memory at r = s = 256) and gate ⊙ message is parked in
 global scratch rows that only this program touches, then read back for the write-back. Dots run in the
 weights' dtype with fp32 accumulation; fp32 uses IEEE dots (parity with the reference).
@@ -28,8 +28,7 @@ def _kernel():
     @triton.jit
     def injection_kernel(H, OUT, F, MSG, ANC, WR, BR, WA, BA, WP, WM, WW, n_rows, B, eps, D: tl.constexpr,
                          R: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D3: tl.constexpr, BLOCK_S3: tl.constexpr,
-                         PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         live = rows < n_rows
@@ -76,22 +75,19 @@ def _kernel():
             m = tl.sigmoid(g) * tl.dot(p, wm, input_precision=PREC)
             tl.store(MSG + rows[:, None] * S + s0 + sc[None, :], m, mask=live[:, None] & s_ok[None, :])
         tl.debug_barrier()
-        # 3. write-back h += W (gate ⊙ message) for slots >= 1, in wider tiles (few, larger dots)
+        # 3. write-back h += W (gate ⊙ message) for slots >= 1
         writes = live & (slot >= 1)
-        d3 = tl.arange(0, BLOCK_D3)
-        s3 = tl.arange(0, BLOCK_S3)
-        for d0 in range(0, D, BLOCK_D3):
-            d_ok = (d0 + d3) < D
-            acc = tl.zeros((BLOCK_M, BLOCK_D3), tl.float32)
-            for s0 in range(0, S, BLOCK_S3):
-                s_ok = (s0 + s3) < S
-                m = tl.load(MSG + rows[:, None] * S + s0 + s3[None, :], mask=live[:, None] & s_ok[None, :], other=0.0)
-                ww = tl.load(WW + (d0 + d3)[None, :] * S + s0 + s3[:, None], mask=s_ok[:, None] & d_ok[None, :],
-                             other=0.0).to(wdt)
+        for d0 in range(0, D, BLOCK_D):
+            d_ok = (d0 + dd) < D
+            acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            for s0 in range(0, S, BLOCK_S):
+                s_ok = (s0 + sc) < S
+                m = tl.load(MSG + rows[:, None] * S + s0 + sc[None, :], mask=live[:, None] & s_ok[None, :], other=0.0)
+                ww = tl.load(WW + (d0 + dd)[None, :] * S + s0 + sc[:, None], mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(wdt)
                 acc += tl.dot(m.to(wdt), ww, input_precision=PREC)
-            x = tl.load(H + rows[:, None] * D + d0 + d3[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
+            x = tl.load(H + rows[:, None] * D + d0 + dd[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
             y = x.to(tl.float32) + tl.where(writes[:, None], acc, 0.0)
-            tl.store(OUT + rows[:, None] * D + d0 + d3[None, :], y.to(OUT.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+            tl.store(OUT + rows[:, None] * D + d0 + dd[None, :], y.to(OUT.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
 
     return injection_kernel
 
@@ -115,13 +111,12 @@ def fused_injection(inj, h: torch.Tensor, anchor_code: torch.Tensor) -> tuple[to
     n_rows = N * nb * B
     msg = torch.empty(n_rows, S, device=h.device, dtype=torch.float32)  # per-program scratch (gate ⊙ message)
     BLOCK_M = 16
-    f32 = h.dtype == torch.float32 or interpreting()
     _kernel()[(triton_cdiv(n_rows, BLOCK_M),)](
         h, out, f, msg, anchor_code.to(h.dtype).contiguous(), inj.readout.weight, inj.readout.bias,
         inj.gate_f.weight, inj.gate_f.bias, inj.gate_p.weight, inj.message.weight, inj.write.weight,
         n_rows, B, float(torch.finfo(h.dtype).eps), D=D, R=R, S=S, BLOCK_M=BLOCK_M, BLOCK_D=32,
-        BLOCK_R=_pow2(R), BLOCK_S=16 if f32 else 32, BLOCK_D3=64, BLOCK_S3=64,
-        PREC="ieee" if h.dtype == torch.float32 else "tf32", DOT_F32=f32, num_stages=2)
+        BLOCK_R=_pow2(R), BLOCK_S=16, PREC="ieee" if h.dtype == torch.float32 else "tf32",
+        DOT_F32=h.dtype == torch.float32 or interpreting(), num_stages=2)
     return out, f
 
 

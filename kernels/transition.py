@@ -28,8 +28,8 @@ def _kernels():
     @triton.jit
     def scores_kernel(HPRE, F, CAND, CODES, HEAD, NORMW, WA, BA, WP, WM, WW, G, OUT, B, K, eps,
                       D: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_S3: tl.constexpr,
-                      PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                      DOT_F32: tl.constexpr):
         n = tl.program_id(0)
         j = tl.program_id(1)  # slot t = j + 2; predecessor candidates cand[n, j], successors cand[n, j + 1]
         t = j + 2
@@ -61,11 +61,10 @@ def _kernels():
         for d0 in range(0, D, BLOCK_D):
             d_ok = (d0 + dd) < D
             w = tl.zeros((BLOCK_K, BLOCK_D), tl.float32)
-            s3 = tl.arange(0, BLOCK_S3)
-            for s0 in range(0, S, BLOCK_S3):
-                s_ok = (s0 + s3) < S
-                g = tl.load(gbase + kk[:, None] * S + s0 + s3[None, :], mask=s_ok[None, :], other=0.0).to(wdt)
-                ww = tl.load(WW + (d0 + dd)[None, :] * S + s0 + s3[:, None], mask=s_ok[:, None] & d_ok[None, :],
+            for s0 in range(0, S, BLOCK_S):
+                s_ok = (s0 + sc) < S
+                g = tl.load(gbase + kk[:, None] * S + s0 + sc[None, :], mask=s_ok[None, :], other=0.0).to(wdt)
+                ww = tl.load(WW + (d0 + dd)[None, :] * S + s0 + sc[:, None], mask=s_ok[:, None] & d_ok[None, :],
                              other=0.0).to(wdt)
                 w += tl.dot(g, ww, input_precision=PREC)
             hp = tl.load(HPRE + (n * B + t) * D + d0 + dd, mask=d_ok, other=0.0).to(tl.float32)
@@ -137,9 +136,9 @@ def fused_transition_scores(inj, norm, head: torch.Tensor, codes: torch.Tensor, 
     g = torch.empty(N, B - 2, BK, S, device=h_pre.device, dtype=torch.float32)  # per-program scratch
     scores[(N, B - 2)](h_pre.contiguous(), f.contiguous(), cand.contiguous(), codes, head, norm.weight,
                        inj.gate_f.weight, inj.gate_f.bias, inj.gate_p.weight, inj.message.weight, inj.write.weight,
-                       g, out, B, K, float(norm.eps), D=D, R=R, S=S, BLOCK_K=BK, BLOCK_D=64, BLOCK_R=_pow2(R),
-                       BLOCK_S=16, BLOCK_S3=64, PREC=_prec(h_pre.dtype),
-                       DOT_F32=h_pre.dtype == torch.float32 or interpreting(), num_stages=2)
+                       g, out, B, K, float(norm.eps), D=D, R=R, S=S, BLOCK_K=BK, BLOCK_D=32, BLOCK_R=_pow2(R),
+                       BLOCK_S=16, PREC=_prec(h_pre.dtype), DOT_F32=h_pre.dtype == torch.float32 or interpreting(),
+                       num_stages=2)
     return out
 
 
