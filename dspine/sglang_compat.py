@@ -1,0 +1,49 @@
+"""Every SGLang name dspine relies on, in one place, per SGLang source file — checked against the wheels'
+source (downloaded, never imported) for each release we support: 0.5.17 (runs on our H200 with torch 2.11)
+and 0.5.23 (the newest; needs torch 2.14). A break in a new release shows in CI as the missing name.
+
+Today's users of these names: `dspine export --to sglang` (DFlash's config fields and weight names,
+export.py) and the plugin entry point group; the serving plugin adds its names here as it grows.
+"""
+
+from __future__ import annotations
+
+import re
+import zipfile
+from pathlib import Path
+
+RELEASES = ("0.5.17", "0.5.23")
+
+NAMES: dict[str, list[str]] = {
+    # the draft model SGLang builds from an exported checkpoint, and the weight names it loads
+    "sglang/srt/models/dflash.py": [
+        r"class DFlashDraftModel\b", r"def load_weights\b", r"stacked_params_mapping", r"EntryClass",
+        r"self\.fc\s*=", r"self\.hidden_norm\s*=", r"self\.norm\s*=", r"\"q_proj\"", r"\"k_proj\"", r"\"v_proj\"",
+        r"\"gate_proj\"", r"\"up_proj\"", r"o_proj", r"down_proj", r"q_norm", r"k_norm", r"input_layernorm",
+        r"post_attention_layernorm",
+    ],
+    # the config fields it reads (export writes them in DFlash's names)
+    "sglang/srt/speculative/dflash_utils.py": [
+        r"def parse_dflash_draft_config\b", r"mask_token_id", r"target_layer_ids", r"num_target_layers",
+        r"block_size",
+    ],
+    # where a general plugin is found, and how a speculative algorithm is registered
+    "sglang/srt/plugins/__init__.py": [r"GENERAL_PLUGINS_GROUP\s*=\s*\"sglang\.srt\.plugins\""],
+    "sglang/srt/speculative/spec_info.py": [r"class SpeculativeAlgorithm\b", r"def register\b"],
+}
+
+
+def missing_names(wheel: str | Path) -> dict[str, list[str]]:
+    """{file: [patterns absent]} for one SGLang wheel (read as a zip; nothing is imported)."""
+    out: dict[str, list[str]] = {}
+    with zipfile.ZipFile(wheel) as z:
+        present = set(z.namelist())
+        for path, patterns in NAMES.items():
+            if path not in present:
+                out[path] = ["<file missing>"]
+                continue
+            text = z.read(path).decode("utf-8", "replace")
+            gone = [p for p in patterns if not re.search(p, text)]
+            if gone:
+                out[path] = gone
+    return out
