@@ -4,6 +4,7 @@ On one H200, three commands (each under the device's 10-minute limit; /tmp survi
     python bench/recipe.py --stage regen --work /tmp/recipe
     python bench/recipe.py --stage train --work /tmp/recipe
     python bench/recipe.py --stage eval --work /tmp/recipe --out $OUT/acceptance.json
+Longer than one command: train.time_budget_s=880 train.stop_after_s=430, then the same with --resume.
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
 Overrides: dotted keys of dspine.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
 """
@@ -28,6 +29,8 @@ def main() -> int:
     ap.add_argument("--out", help="eval JSON (a .md table beside it)")
     ap.add_argument("--summary", help="summary.json whose acceptance section the eval stage rewrites")
     ap.add_argument("--tiny", action="store_true", help="the CPU-test-sized recipe")
+    ap.add_argument("--resume", action="store_true",
+                    help="train stage: continue every drafter from WORK/<name>/last (after train.stop_after_s)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -36,7 +39,7 @@ def main() -> int:
     if a.stage == "regen":
         print(json.dumps(run_regen_stage(cfg, a.work, progress=not a.no_progress), indent=1))
     if a.stage in ("train", "all"):
-        rep = run_train_stage(cfg, a.work, progress=not a.no_progress)
+        rep = run_train_stage(cfg, a.work, progress=not a.no_progress, resume=a.resume)
         print(json.dumps(rep, indent=1))
     if a.stage in ("eval", "all"):
         if not a.out:

@@ -118,10 +118,13 @@ def split_samples(cfg: RecipeConfig, work: Path) -> tuple[list, list]:
     return pairs[cfg.heldout:], pairs[: cfg.heldout]
 
 
-def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True) -> dict:
+def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, resume: bool = False) -> dict:
+    """Regen (a no-op when done), then all drafters in lockstep. `resume` continues every drafter from
+    work/<name>/last (a run paused by train.stop_after_s, or extended with more steps / time)."""
     work = Path(work)
     dtype = getattr(torch, cfg.dtype)
     target = load_target(cfg.target, dtype=dtype, device=cfg.device)
+    previous = json.loads((work / "train_report.json").read_text()) if resume else {}
     out = run_regen_stage(cfg, work, target, progress)
     train_pairs, eval_pairs = split_samples(cfg, work)
     out.update(samples=len(train_pairs), heldout=len(eval_pairs), methods={})
@@ -131,10 +134,14 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True) 
                                                seed=cfg.train.seed).to(device=cfg.device, dtype=dtype).bind(target)
                 for n, v in variants.items()}
     losses = {n: v.loss for n, v in variants.items()}
-    before = evaluate_tau_sims(drafters, target, eval_pairs, cfg.train, losses=losses)
+    if resume:
+        before = {n: previous["methods"][n]["tau_sim_before"] for n in drafters}
+    else:
+        before = evaluate_tau_sims(drafters, target, eval_pairs, cfg.train, losses=losses)
     t0 = time.time()
     hist = train_drafters(drafters, target, train_pairs, cfg.train, eval_samples=eval_pairs, progress=progress,
-                          outs={n: work / n for n in drafters}, losses=losses, extra={"recipe": True})
+                          outs={n: work / n for n in drafters}, losses=losses, extra={"recipe": True},
+                          resume=resume)
     if cfg.device == "cuda":
         torch.cuda.synchronize()
     secs = time.time() - t0
@@ -144,7 +151,10 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True) 
                              "best_tau_sim": max(t for _, t in evals), "eval_curve": evals,
                              "loss_first": h[0]["loss"], "loss_last": h[-1]["loss"]}
     steps = len(next(iter(hist.values())))
-    out["train"] = {"steps": steps, "seconds": secs, "s_per_step": secs / steps, "drafters": len(drafters),
+    ran = steps - (previous.get("train", {}).get("steps", 0) if resume else 0)
+    out["train"] = {"steps": steps, "seconds": secs, "s_per_step": secs / max(1, ran), "drafters": len(drafters),
+                    "elapsed_total_s": next(iter(hist.values()))[-1]["elapsed_s"], "invocations":
+                    previous.get("train", {}).get("invocations", 0) + 1 if resume else 1,
                     "sequences": steps * cfg.train.batch_size,
                     "blocks_per_drafter": steps * cfg.train.batch_size * cfg.train.anchors_per_seq}
     atomic_write_text(work / "train_report.json", json.dumps(out, indent=1))

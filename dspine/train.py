@@ -41,7 +41,8 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50
     save_every: int = 0  # 0: only at the end (and at each new best)
-    time_budget_s: float = 0.0  # > 0: stop once spent (the cosine schedule then follows time); 0: off
+    time_budget_s: float = 0.0  # > 0: training time in all (across resumes); the cosine follows it; 0: off
+    stop_after_s: float = 0.0  # > 0: this invocation stops (saving out/last) after so long; resume continues
 
     def validate(self) -> None:
         from .config import ConfigError
@@ -49,8 +50,8 @@ class TrainConfig:
         for k in ("steps", "batch_size", "anchors_per_seq", "max_len"):
             if getattr(self, k) <= 0:
                 raise ConfigError(f"train.{k} must be positive")
-        if self.time_budget_s < 0:
-            raise ConfigError("train.time_budget_s must be >= 0 (0 turns it off)")
+        if self.time_budget_s < 0 or self.stop_after_s < 0:
+            raise ConfigError("train.time_budget_s and train.stop_after_s must be >= 0 (0 turns them off)")
         if self.lr <= 0 or self.gamma <= 0:
             raise ConfigError("train.lr and train.gamma must be positive")
 
@@ -225,14 +226,14 @@ def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:
 
 
 def _save_state(out: Path, drafter, opt, step: int, order: list[int], rng: random.Random, best: float,
-                history: list[dict], extra: dict) -> None:
+                history: list[dict], extra: dict, elapsed_s: float = 0.0) -> None:
     """out/last: the drafter checkpoint + optimizer / RNG / data position, all safetensors + JSON."""
     from safetensors.torch import save_file
 
     from .checkpoint import save_drafter
 
     tensors, meta = {}, {"step": step, "order": order, "best": best, "history": history,
-                         "py_rng": _jsonable(rng.getstate()), "param_groups": []}
+                         "py_rng": _jsonable(rng.getstate()), "param_groups": [], "elapsed_s": elapsed_s}
     for gi, g in enumerate(opt.param_groups):
         meta["param_groups"].append({k: v for k, v in g.items() if k != "params"})
         for pi, p in enumerate(g["params"]):
@@ -278,7 +279,7 @@ def _load_state(ckpt: Path, drafter, opt, rng: random.Random):
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
     rng.setstate(_tuplify(meta["py_rng"]))
-    return meta["step"], meta["order"], meta["best"], meta["history"]
+    return meta["step"], meta["order"], meta["best"], meta["history"], meta.get("elapsed_s", 0.0)
 
 
 def train_drafter(drafter: DSpineDraftModel, target, samples: list[tuple[list[int], int]], cfg: TrainConfig,
@@ -300,7 +301,9 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
     `losses` overrides gamma / cos_weight / redo_weight per drafter (ablations). With `outs`: each drafter
     saves outs[name]/last (weights + optimizer, RNG and data position: `resume=True` continues exactly, when
     no time budget cut the run) and outs[name]/best (best held-out simulated τ so far). `cfg.time_budget_s`
-    stops all drafters at the same step once the budget is spent; the cosine schedule then follows time.
+    stops all drafters at the same step once the budget is spent (counted across resumes); the cosine
+    schedule then follows time. `cfg.stop_after_s` pauses this invocation (saving out/last) so that a run
+    longer than one command can continue with `resume=True`.
     """
     import time
 
@@ -326,14 +329,14 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
     history = {n: [] for n in names}
     best = dict.fromkeys(names, float("-inf"))
     order: list[int] = []
-    start = 0
+    start, spent = 0, 0.0  # spent: training time of earlier invocations (time budgets are cumulative)
     outs = {n: Path(o) for n, o in outs.items()} if outs else None
     if resume:
         if outs is None:
             raise ValueError("resume needs an output folder")
         starts = set()
         for n in names:
-            st, order, best[n], history[n] = _load_state(outs[n] / "last", drafters[n], opts[n], rng)
+            st, order, best[n], history[n], spent = _load_state(outs[n] / "last", drafters[n], opts[n], rng)
             starts.add(st)
         if len(starts) != 1:
             raise ValueError(f"drafters were saved at different steps {sorted(starts)}; cannot resume in lockstep")
@@ -353,14 +356,16 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
         batch = make_batch([samples[i] for i in idx], cfg.anchors_per_seq, block_size, cfg.max_len, rng,
                            target.device)
         feats = src(batch.ids)
-        elapsed = time.perf_counter() - t_start
+        this_call = time.perf_counter() - t_start
+        elapsed = spent + this_call
         frac = None
         if cfg.time_budget_s:
             frac = max((step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps),
                        elapsed / cfg.time_budget_s)
         out_of_time = bool(cfg.time_budget_s) and elapsed >= cfg.time_budget_s
+        pause = bool(cfg.stop_after_s) and this_call >= cfg.stop_after_s and not out_of_time
         last = step + 1 == cfg.steps or out_of_time
-        do_eval = eval_samples and ((step + 1) % cfg.eval_every == 0 or last)
+        do_eval = eval_samples and ((step + 1) % cfg.eval_every == 0 or last or pause)
         for n, d in drafters.items():
             with torch.autocast(**amp):
                 res = drafter_losses(d, src.select(feats, d), batch, **kws[n])
@@ -390,10 +395,11 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
                     best[n] = taus[n]
                     save_drafter(d, outs[n] / "best", extra={**extra, "step": step + 1, "eval_tau_sim": best[n]})
         bar.set_postfix(loss=f"{history[names[0]][-1]['loss']:.3f}", tau=f"{history[names[0]][-1]['tau_sim']:.2f}")
-        if outs is not None and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+        if outs is not None and (last or pause or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
             for n, d in drafters.items():
-                _save_state(outs[n], d, opts[n], step + 1, order, rng, best[n], history[n], extra)
-        if out_of_time:
+                _save_state(outs[n], d, opts[n], step + 1, order, rng, best[n], history[n], extra,
+                            spent + time.perf_counter() - t_start)
+        if out_of_time or pause:
             break
     for d in drafters.values():
         d.eval()

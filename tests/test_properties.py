@@ -203,3 +203,27 @@ def test_recipe_config_rejects_bad_ablations():
         from_dict(RecipeConfig, {"ablations": {"dspine": {}}})
     with pytest.raises(ConfigError, match="unknown key"):
         from_dict(RecipeConfig, {"ablations": {"x": {"methd": "dspine"}}})
+
+
+def test_pause_after_a_time_limit_then_resume_equals_a_straight_run(tiny, tmp_path):
+    """train.stop_after_s pauses an invocation (saving out/last); resume finishes it exactly as one run would."""
+    from dspine.train import train_drafters
+
+    target, pairs = tiny
+    kw = dict(steps=12, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=2, lr=2e-3, eval_every=5)
+    make = lambda: {m: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=2, block_size=8)  # noqa: E731
+                    for m in ("dflash", "dspine")}
+    straight = make()
+    train_drafters(straight, target, pairs, TrainConfig(**kw), eval_samples=pairs[:4], progress=False)
+    paused = make()
+    outs = {m: tmp_path / m for m in paused}
+    h1 = train_drafters(paused, target, pairs, TrainConfig(**kw, stop_after_s=1e-9), eval_samples=pairs[:4],
+                        progress=False, outs=outs)
+    assert len(h1["dspine"]) == 1 and (tmp_path / "dspine" / "last" / "trainer_state.json").is_file()
+    resumed = make()
+    h2 = train_drafters(resumed, target, pairs, TrainConfig(**kw), eval_samples=pairs[:4], progress=False,
+                        outs=outs, resume=True)
+    assert len(h2["dspine"]) == 12 and h2["dspine"][-1]["elapsed_s"] >= h1["dspine"][-1]["elapsed_s"]
+    for m in straight:
+        a, b = straight[m].state_dict(), resumed[m].state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a), m
