@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_target
-from dspine.checkpoint import load_drafter, save_drafter
+from dspine.checkpoint import save_drafter
 from dspine.cli import main
 from dspine.drafter import DSpineDraftModel
 from dspine.export import ExportError, validate_sglang_export

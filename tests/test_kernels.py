@@ -89,7 +89,7 @@ def test_fused_transition_and_walks_match_reference(shape, dtype):
 
 def test_sampled_walk_takes_each_candidate_with_its_probability():
     """Inverse-CDF draws over many uniforms reproduce q (the kernel's sampler is exact, not just consistent)."""
-    N, B, K, V = 1, 3, 4, 10
+    K, V = 4, 10
     S = torch.tensor([[[[0.0, 1.0, 2.0, 0.5]] * K]], device=DEV)  # (1, 1, K, K): same row for every predecessor
     cand = torch.tensor([[[0, 1, 2, 3], [4, 5, 6, 7]]], device=DEV)
     u = torch.rand(2000, 1, generator=torch.Generator().manual_seed(0)).to(DEV)
