@@ -130,6 +130,23 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="weights' dtype (default: %(default)s; the code table stays fp32)")
 
+    bn = sub.add_parser("bench", help="speed of AR and drafters, with the speculative round split into phases",
+                        description="Decode benchmark prompts with AR and each drafter in one run and report "
+                                    "tokens/s, the ratio to AR, tau, and the time of a speculative round split into "
+                                    "draft forward (injection included), propose (transition cache + walk), target "
+                                    "verify and commit, from device-synchronised timing. --backend sglang needs the "
+                                    "dspine SGLang plugin, which is not built yet.")
+    _add_target(bn)
+    bn.add_argument("--backend", choices=("engine", "sglang"), default="engine",
+                    help="engine: the embedded engine (default); sglang: not available yet")
+    bn.add_argument("--drafter", action="append", default=[], metavar="NAME=CHECKPOINT",
+                    help="a drafter to measure (repeatable); AR is always measured in the same run")
+    bn.add_argument("--benchmarks", default="gsm8k,mt_bench", help="comma-separated (default: %(default)s)")
+    bn.add_argument("--limit", type=int, default=4, help="items per benchmark (default: %(default)s)")
+    bn.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    bn.add_argument("--out", help="JSON file to write (a .md table beside it)")
+    bn.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
     e = sub.add_parser("eval", help="acceptance per benchmark for AR and any set of drafters",
                        description="Decode benchmark prompts through the engine with AR and each drafter, at each "
                                    "temperature; write JSON (git sha, command, hardware, config hashes) and a "
@@ -328,6 +345,40 @@ def cmd_export(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    from pathlib import Path
+
+    from workloads import BENCHMARKS
+
+    from .bench import bench_table, engine_bench
+    from .checkpoint import load_drafter, read_config
+    from .io import atomic_write_text
+    from .target import load_target
+
+    if a.backend == "sglang":
+        raise UsageError("--backend sglang needs the dspine SGLang plugin, which is not built yet; use --backend engine")
+    benches = [b.strip() for b in a.benchmarks.split(",")]
+    unknown = [b for b in benches if b not in BENCHMARKS]
+    if unknown or a.limit <= 0 or a.max_new_tokens <= 0:
+        raise UsageError(f"unknown benchmark(s) {unknown}" if unknown else "--limit and --max-new-tokens must be positive")
+    specs = {}
+    for d in a.drafter:
+        if "=" not in d:
+            raise UsageError(f"--drafter {d!r} is not NAME=CHECKPOINT")
+        name, path = d.split("=", 1)
+        read_config(path)
+        specs[name] = path
+    target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
+    drafters = {n: load_drafter(p, target, dtype=_dtype(a.dtype), device=a.device) for n, p in specs.items()}
+    doc = engine_bench(target, drafters, benches, a.limit, a.max_new_tokens, progress=not a.no_progress)
+    table = bench_table(doc)
+    if a.out:
+        atomic_write_text(Path(a.out), json.dumps(doc, indent=1) + "\n")
+        atomic_write_text(Path(a.out).with_suffix(".md"), table)
+    print(table)
+    return 0
+
+
 def cmd_eval(a) -> int:
     import os
 
@@ -383,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"generate": cmd_generate, "regen": cmd_regen, "train": cmd_train, "eval": cmd_eval,
                 "serve": cmd_serve, "proxy": cmd_proxy, "dashboard": cmd_dashboard,
-                "export": cmd_export}[a.verb](a)
+                "export": cmd_export, "bench": cmd_bench}[a.verb](a)
     except (CheckpointError, ConfigError, RequestError, TargetError, UsageError, RegenError) as e:
         print(f"dspine {a.verb}: error: {e}", file=sys.stderr)
         return 2

@@ -81,6 +81,24 @@ class _Stopper:
         return self.text if self.text is not None else self.target.decode(self.tokens)
 
 
+class _PhaseClock:
+    """Seconds per phase of a generation, the device synchronised at each boundary (off: no cost)."""
+
+    def __init__(self, device: torch.device, on: bool):
+        self.on, self.cuda = on, device.type == "cuda"
+        self.totals: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if not self.on:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - self._t
+        self._t = now
+
+
 class DraftContext:
     """The drafter's per-layer context K/V for committed positions (grows; block K/V are never kept)."""
 
@@ -137,9 +155,13 @@ class Engine:
         return int(sample(warp_probs(logits, params), gen))
 
     @torch.no_grad()
-    def generate(self, prompt, params: SamplingParams | None = None, on_token=None) -> GenerationResult:
-        """`on_token(token_id)` sees every committed token as it is committed; returning False aborts."""
+    def generate(self, prompt, params: SamplingParams | None = None, on_token=None,
+                 profile: bool = False) -> GenerationResult:
+        """`on_token(token_id)` sees every committed token as it is committed; returning False aborts.
+        `profile` fills `timings` (seconds per phase: prefill, draft, propose, verify, commit, ar_step), with
+        a device sync at each boundary — slower, for benchmarks only."""
         params = (params or SamplingParams()).validate()
+        clock = _PhaseClock(self.target.device, profile)
         ids = self.prompt_ids(prompt)
         gen = torch.Generator(device=self.target.device)
         gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
@@ -160,6 +182,7 @@ class Engine:
             ctx.extend(feats, torch.arange(P, device=dev)[None])
         anchor = self._pick(logits[0, -1], params, gen)
         done = stop.push(anchor)
+        clock.lap("prefill")
         while not done:
             if P + 1 >= self.max_positions:
                 stop.finish_reason = "length"
@@ -171,14 +194,18 @@ class Engine:
                 P += 1
                 anchor = self._pick(logits[0, -1], params, gen)
                 done = stop.push(anchor)
+                clock.lap("ar_step")
                 continue
             pos = torch.arange(P, P + B, device=dev)
             block = self.drafter.block_inputs(torch.tensor([[anchor]], device=dev), B)
             out = self.drafter(block, pos[None, None], ctx.kv)
+            clock.lap("draft")
             prop = propose(self.drafter, out, params, gen)
             drafts = prop.tokens  # (1, B-1)
+            clock.lap("propose")
             logits, feats = tgt.forward(torch.cat([torch.tensor([[anchor]], device=dev), drafts], 1),
                                         cache, layer_ids)
+            clock.lap("verify")
             n_acc, nxt = verify(prop, logits, params, gen)
             n = int(n_acc[0])
             stats.record(n)
@@ -190,9 +217,11 @@ class Engine:
                     done = True
                     break
             anchor = int(nxt[0])
+            clock.lap("commit")  # acceptance test, cache crop, drafter context, stop checks
         return GenerationResult(token_ids=stop.tokens, text=stop.result_text(),
                                 finish_reason=stop.finish_reason or "length", prompt_tokens=len(ids),
-                                method=self.method, stats=stats, seconds=time.perf_counter() - t0)
+                                method=self.method, stats=stats, seconds=time.perf_counter() - t0,
+                                timings=clock.totals)
 
 
 @torch.no_grad()

@@ -1,0 +1,79 @@
+"""`dspine bench --backend engine`: speed of AR and each drafter through the embedded engine, with the
+time of a speculative round split into its phases (draft forward incl. injection, propose = transition
+cache + walk, target verify, commit) from device-synchronised timing. AR always runs in the same call.
+
+The engine decodes one request at a time, so concurrency is 1 here; SGLang (the plugin, still to come)
+is where concurrency 4/16/32 will be measured in the same table.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from workloads import load_benchmark
+
+from .engine import Engine
+from .evaluate import git_sha, hardware
+from .sampling import SamplingParams
+from .stats import summarize
+
+PHASES = ("draft", "propose", "verify", "commit")
+
+
+def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_new_tokens: int,
+                 temperature: float = 0.0, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    items = [it for b in benchmarks for it in load_benchmark(b, limit)]
+    engines = {"ar": Engine(target), **{n: Engine(target, d) for n, d in drafters.items()}}
+    rows = {}
+    bar = tqdm(total=len(items) * len(engines), desc="bench", disable=not progress)
+    for name, eng in engines.items():
+        totals: dict[str, float] = {}
+        stats, tokens, t0 = [], 0, time.perf_counter()
+        for i, it in enumerate(items):
+            res = eng.generate(it.turns[0], SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
+                                                           seed=i), profile=True)
+            tokens += res.completion_tokens
+            for k, v in res.timings.items():
+                totals[k] = totals.get(k, 0.0) + v
+            if res.stats is not None:
+                stats.append(res.stats)
+            bar.update(1)
+        secs = time.perf_counter() - t0
+        row = {"requests": len(items), "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
+        if name == "ar":
+            steps = max(1, tokens - len(items))  # the first token of each request comes from the prefill
+            row["ar_step_ms"] = 1000 * totals.get("ar_step", 0.0) / steps
+        else:
+            s = summarize(stats)
+            rounds = max(1, s["rounds"])
+            row.update(tau_mean=s["tau_mean"], tau_pooled=s["tau_pooled"], rounds=s["rounds"],
+                       phase_ms_per_round={p: 1000 * totals.get(p, 0.0) / rounds for p in PHASES})
+            row["round_ms"] = sum(row["phase_ms_per_round"].values())
+        rows[name] = row
+    bar.close()
+    ar = rows["ar"]
+    for name, row in rows.items():
+        row["speedup_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"]
+        if name != "ar" and ar["ar_step_ms"]:
+            row["round_over_ar_step"] = row["round_ms"] / ar["ar_step_ms"]
+    return {"backend": "engine", "concurrency": 1, "rows": rows, "benchmarks": benchmarks, "limit": limit,
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "target": target.name,
+            "dtype": str(target.dtype).replace("torch.", ""), "git_sha": git_sha(), "hardware": hardware(),
+            "command": " ".join(sys.argv)}
+
+
+def bench_table(doc: dict) -> str:
+    lines = [f"backend {doc['backend']}, concurrency {doc['concurrency']}, {doc['hardware']}", "",
+             "| method | tok/s | × AR | τ | round ms | round / AR step | draft | propose | verify | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in doc["rows"].items():
+        ph = r.get("phase_ms_per_round", {})
+        f = lambda k: f"{ph[k]:.2f}" if k in ph else "—"  # noqa: E731
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
+                     f"{r.get('tau_mean', 1.0):.3f} | {r.get('round_ms', r.get('ar_step_ms', 0)):.2f} | "
+                     f"{r.get('round_over_ar_step', 1.0):.2f} | {f('draft')} | {f('propose')} | {f('verify')} | "
+                     f"{f('commit')} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,24 @@
+"""`dspine bench --backend engine`: AR and a drafter in one run, the round split into phases."""
+
+import json
+
+from dspine.checkpoint import save_drafter
+from dspine.cli import main
+from dspine.drafter import DSpineDraftModel
+
+
+def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
+    ckpt = save_drafter(DSpineDraftModel.for_target(smollm2, method="dspine", num_hidden_layers=1), tmp_path / "d")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--drafter", f"dspine={ckpt}", "--benchmarks", "gsm8k", "--limit", "1",
+                 "--max-new-tokens", "10", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    ar, ds = doc["rows"]["ar"], doc["rows"]["dspine"]
+    assert doc["concurrency"] == 1 and ar["speedup_vs_ar"] == 1.0 and ar["tokens"] == ds["tokens"] == 10
+    assert ds["rounds"] >= 1 and set(ds["phase_ms_per_round"]) == {"draft", "propose", "verify", "commit"}
+    assert all(v > 0 for v in ds["phase_ms_per_round"].values())
+    assert ds["round_ms"] * ds["rounds"] / 1000 <= ds["seconds"]  # the phases fit inside the measured time
+    assert abs(ds["round_over_ar_step"] - ds["round_ms"] / ar["ar_step_ms"]) < 1e-9
+    assert "| dspine |" in capsys.readouterr().out and out.with_suffix(".md").is_file()
+    assert main(["bench", "--backend", "sglang"]) == 2
+    assert "plugin" in capsys.readouterr().err
