@@ -345,31 +345,53 @@ def cmd_export(a) -> int:
     return 0
 
 
-def cmd_bench(a) -> int:
-    from pathlib import Path
-
+def _benchmark_names(text: str) -> list[str]:
+    """'all' or a comma-separated list -> benchmark names, each checked."""
     from workloads import BENCHMARKS
 
-    from .bench import bench_table, engine_bench
-    from .checkpoint import load_drafter, read_config
-    from .io import atomic_write_text
-    from .target import load_target
+    names = list(BENCHMARKS) if text == "all" else [b.strip() for b in text.split(",")]
+    unknown = [b for b in names if b not in BENCHMARKS]
+    if unknown:
+        raise UsageError(f"unknown benchmark(s) {unknown}; known: {sorted(BENCHMARKS)}")
+    return names
 
-    if a.backend == "sglang":
-        raise UsageError("--backend sglang needs the dspine SGLang plugin, which is not built yet; use --backend engine")
-    benches = [b.strip() for b in a.benchmarks.split(",")]
-    unknown = [b for b in benches if b not in BENCHMARKS]
-    if unknown or a.limit <= 0 or a.max_new_tokens <= 0:
-        raise UsageError(f"unknown benchmark(s) {unknown}" if unknown else "--limit and --max-new-tokens must be positive")
+
+def _drafter_specs(items: list[str]) -> dict[str, str]:
+    """NAME=CHECKPOINT options -> {name: path}; each config is read now, before the target is loaded."""
+    from .checkpoint import read_config
+
     specs = {}
-    for d in a.drafter:
+    for d in items:
         if "=" not in d:
             raise UsageError(f"--drafter {d!r} is not NAME=CHECKPOINT")
         name, path = d.split("=", 1)
         read_config(path)
         specs[name] = path
+    return specs
+
+
+def _load_models(a, specs: dict[str, str]):
+    """The target of --target/--dtype/--device and the named drafters bound to it."""
+    from .checkpoint import load_drafter
+    from .target import load_target
+
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
-    drafters = {n: load_drafter(p, target, dtype=_dtype(a.dtype), device=a.device) for n, p in specs.items()}
+    return target, {n: load_drafter(p, target, dtype=_dtype(a.dtype), device=a.device) for n, p in specs.items()}
+
+
+def cmd_bench(a) -> int:
+    from pathlib import Path
+
+    from .bench import bench_table, engine_bench
+    from .io import atomic_write_text
+
+    if a.backend == "sglang":
+        raise UsageError("--backend sglang needs the dspine SGLang plugin, which is not built yet; use --backend engine")
+    benches = _benchmark_names(a.benchmarks)
+    if a.limit <= 0 or a.max_new_tokens <= 0:
+        raise UsageError("--limit and --max-new-tokens must be positive")
+    specs = _drafter_specs(a.drafter)
+    target, drafters = _load_models(a, specs)
     doc = engine_bench(target, drafters, benches, a.limit, a.max_new_tokens, progress=not a.no_progress)
     table = bench_table(doc)
     if a.out:
@@ -382,33 +404,19 @@ def cmd_bench(a) -> int:
 def cmd_eval(a) -> int:
     import os
 
-    from workloads import BENCHMARKS
-
-    from .checkpoint import load_drafter, read_config
     from .evaluate import evaluate, markdown_table, write_results
-    from .target import load_target
 
-    benches = list(BENCHMARKS) if a.benchmarks == "all" else [b.strip() for b in a.benchmarks.split(",")]
-    unknown = [b for b in benches if b not in BENCHMARKS]
-    if unknown:
-        raise UsageError(f"unknown benchmark(s) {unknown}; known: {sorted(BENCHMARKS)}")
+    benches = _benchmark_names(a.benchmarks)
     temps = [float(t) for t in a.temperatures.split(",")]
     if any(t < 0 for t in temps) or a.limit <= 0 or a.max_new_tokens <= 0:
         raise UsageError("temperatures must be >= 0, --limit and --max-new-tokens positive")
-    specs = {}
-    for d in a.drafter:
-        if "=" not in d:
-            raise UsageError(f"--drafter {d!r} is not NAME=CHECKPOINT")
-        name, path = d.split("=", 1)
-        read_config(path)  # fail before loading the target
-        specs[name] = path
+    if a.workers < 1:
+        raise UsageError("--workers must be >= 1")
+    specs = _drafter_specs(a.drafter)
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.access(out_dir if os.path.isdir(out_dir) else os.path.dirname(out_dir), os.W_OK):
         raise UsageError(f"cannot write {a.out}")
-    target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
-    drafters = {n: load_drafter(p, target, dtype=_dtype(a.dtype), device=a.device) for n, p in specs.items()}
-    if a.workers < 1:
-        raise UsageError("--workers must be >= 1")
+    target, drafters = _load_models(a, specs)
     doc = evaluate(target, drafters, benches, a.limit, temps, a.max_new_tokens, progress=not a.no_progress,
                    workers=a.workers, target_spec=(a.target, a.dtype, a.device), drafter_paths=specs)
     write_results(doc, a.out)

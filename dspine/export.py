@@ -55,8 +55,11 @@ def validate_sglang_export(path: str | Path) -> dict:
     from safetensors import safe_open
 
     path = Path(path)
+    from .checkpoint import config_from_json
+
     raw = json.loads((path / "config.json").read_text())
-    cfg = read_config_exported(raw)
+    # the exported architecture is SGLang's name; the rest parses as a dspine config
+    cfg = config_from_json({**raw, "architectures": ["DSpineDraftModel"]})
     if raw.get("architectures") != [ARCHS[cfg.method]]:
         raise ExportError(f"{path}: architectures {raw.get('architectures')} for a {cfg.method} drafter, "
                           f"expected {[ARCHS[cfg.method]]}")
@@ -73,13 +76,6 @@ def validate_sglang_export(path: str | Path) -> dict:
     if bad:
         raise ExportError(f"{path}: weight shapes differ: {bad[:4]}")
     return {"architecture": raw["architectures"][0], "weights": len(have), "method": cfg.method}
-
-
-def read_config_exported(raw: dict) -> DSpineConfig:
-    from .checkpoint import config_from_json
-
-    raw = {k: v for k, v in raw.items() if k != "dspine_training"}
-    return config_from_json({**raw, "architectures": ["DSpineDraftModel"]})
 
 
 def export_sglang(ckpt: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 
+from .stats import quantile
 from .store import AcceptanceStore
 
 PROMPTS = ["Explain what a race condition is in two sentences.", "Write a haiku about version control.",
@@ -59,13 +60,6 @@ async def _client(i: int, http, url: str, key: str, model: str, deadline: float,
         out.append(rec)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
 async def _run(proxy: str, key: str, model: str, clients: int, seconds: float, max_tokens: int,
                drain_s: float) -> tuple[list[dict], float]:
     import httpx
@@ -100,7 +94,7 @@ def run_load(proxy: str, key: str, model: str, db: str, clients: int = 64, secon
     errors = [r["error"] for r in out if r["error"] is not None]
     return {"clients": clients, "seconds": seconds, "wall_s": wall, "max_tokens": max_tokens,
             "sent": len(out), "completed": len(ok), "errors": len(errors), "lost": len(want - got),
-            "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99), "max_ms": max(lat) if lat else None,
+            "p50_ms": quantile(lat, 0.5), "p99_ms": quantile(lat, 0.99), "max_ms": max(lat) if lat else None,
             "requests_per_s": len(ok) / wall if wall else 0.0,
             "stream_events_per_s": sum(r["tokens"] for r in ok) / wall if wall else 0.0,
             "error_examples": sorted(set(errors))[:5]}

@@ -14,8 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,6 +102,8 @@ def proxy_env(cfg: ProxyConfig, key: str) -> dict:
 
 def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None) -> subprocess.Popen:
     """Start LiteLLM (a child process) and return once it answers; raises if it dies or never answers."""
+    from .server import wait_http
+
     key = key if key is not None else os.environ.get(KEY_ENV, "")
     env = proxy_env(cfg, key)
     path = write_proxy_files(cfg)
@@ -112,16 +112,5 @@ def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None) -> subproces
     cmd += ["--config", str(path.resolve()), "--host", cfg.host, "--port", str(cfg.port)]
     proc = subprocess.Popen(cmd, env=env, cwd=cfg.workdir, stdout=log or subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
-    url = f"http://{cfg.host}:{cfg.port}/health/liveliness"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"litellm exited with code {proc.returncode} (see its log)")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"litellm did not answer on {url} within 180 s")
+    wait_http(f"http://{cfg.host}:{cfg.port}/health/liveliness", proc, 180)
+    return proc

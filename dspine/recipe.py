@@ -100,8 +100,9 @@ class RecipeConfig:
 def run_regen_stage(cfg: RecipeConfig, work: str | Path, target=None, progress: bool = True) -> dict:
     work = Path(work)
     t0 = time.time()
-    target = target or load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
-    load_s = time.time() - t0
+    if target is None:
+        target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    load_s = time.time() - t0  # ~0 when the caller loaded the target (run_train_stage reports its own)
     prompts = load_prompts(cfg.workload, limit=cfg.num_prompts, max_chars=2000)
     t0 = time.time()
     rep = regenerate_dataset(target, [(f"{cfg.workload}/{i}", p) for i, p in enumerate(prompts)], work / "data",
@@ -123,9 +124,11 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
     work/<name>/last (a run paused by train.stop_after_s, or extended with more steps / time)."""
     work = Path(work)
     dtype = getattr(torch, cfg.dtype)
+    t0 = time.time()
     target = load_target(cfg.target, dtype=dtype, device=cfg.device)
+    load_s = time.time() - t0
     previous = json.loads((work / "train_report.json").read_text()) if resume else {}
-    out = run_regen_stage(cfg, work, target, progress)
+    out = {**run_regen_stage(cfg, work, target, progress), "load_s": load_s}
     train_pairs, eval_pairs = split_samples(cfg, work)
     out.update(samples=len(train_pairs), heldout=len(eval_pairs), methods={})
     variants = cfg.variants()

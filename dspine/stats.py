@@ -93,3 +93,11 @@ def simulated_tau(per_slot_acc: list[float]) -> float:
         run *= a
         tau += run
     return tau
+
+
+def quantile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank quantile of a sample (None when empty): latency p50/p99 in the load test and dashboards."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]

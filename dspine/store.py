@@ -13,7 +13,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from .stats import AcceptanceStats
+from .stats import AcceptanceStats, quantile
 
 COLUMNS = ("request_id", "ts", "model", "drafter", "method", "workload", "thinking", "stream", "prompt_tokens",
            "completion_tokens", "tau", "verify_rounds", "accept_hist", "latency_s", "source")
@@ -99,7 +99,7 @@ class AcceptanceStore:
                           "tau_mean": sum(s.tau for s in stats) / len(stats) if stats else None,
                           "tau_pooled": pooled.tau if pooled else None,
                           "per_slot": pooled.per_slot if pooled else [],
-                          "latency_p50_s": _quantile([r["latency_s"] for r in rs if r["latency_s"] is not None], 0.5)})
+                          "latency_p50_s": quantile([r["latency_s"] for r in rs if r["latency_s"] is not None], 0.5)})
         series = []
         if rows:
             t0 = rows[0]["ts"] - rows[0]["ts"] % bucket_s
@@ -126,10 +126,3 @@ def _merge(stats: list[AcceptanceStats]) -> AcceptanceStats | None:
     for s in stats:
         out = s if out is None else out.merge(s)
     return out
-
-
-def _quantile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]

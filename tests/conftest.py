@@ -18,7 +18,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 from dspine.drafter import DSpineDraftModel  # noqa: E402
 from dspine.engine import Engine  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
-from dspine.server import free_port, start_server_process, wait_http  # noqa: E402,F401
+from dspine.server import start_server_process  # noqa: E402
 from dspine.target import Target, load_target  # noqa: E402
 from dspine.train import TrainConfig, train_drafter  # noqa: E402
 

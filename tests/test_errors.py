@@ -37,16 +37,18 @@ def test_engine_rejects_mismatched_drafter(saved):
         Engine(target, other)
 
 
+def _edit_config(path, edit) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
 def test_unknown_config_keys(saved):
     _, path = saved
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["dspine_config"]["transfer_rnak"] = 64
-    (path / "config.json").write_text(json.dumps(cfg))
+    _edit_config(path, lambda c: c["dspine_config"].update(transfer_rnak=64))
     with pytest.raises(CheckpointError, match="transfer_rnak"):
         load_drafter(path)
-    del cfg["dspine_config"]["transfer_rnak"]
-    cfg["hiden_size"] = 3
-    (path / "config.json").write_text(json.dumps(cfg))
+    _edit_config(path, lambda c: (c["dspine_config"].pop("transfer_rnak"), c.update(hiden_size=3)))
     with pytest.raises(CheckpointError, match="hiden_size"):
         load_drafter(path)
 
@@ -68,9 +70,7 @@ def test_pickle_checkpoints_are_refused(saved):
 
 def test_mismatched_weight_shapes(saved):
     _, path = saved
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["intermediate_size"] = 100
-    (path / "config.json").write_text(json.dumps(cfg))
+    _edit_config(path, lambda c: c.update(intermediate_size=100))
     with pytest.raises(CheckpointError, match="shapes do not match"):
         load_drafter(path)
 

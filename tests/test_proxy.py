@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, running_server, wait_http
+from conftest import running_server
 from dspine.checkpoint import save_drafter
+from dspine.server import free_port, wait_http
 from dspine.stats import AcceptanceStats
 from dspine.store import AcceptanceStore
 
