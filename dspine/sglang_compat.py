@@ -2,8 +2,9 @@
 source (downloaded, never imported) for each release we support: 0.5.17 (runs on our H200 with torch 2.11)
 and 0.5.23 (the newest; needs torch 2.14). A break in a new release shows in CI as the missing name.
 
-Today's users of these names: `dspine export --to sglang` (DFlash's config fields and weight names,
-export.py) and the plugin entry point group; the serving plugin adds its names here as it grows.
+Users of these names: `dspine export --to sglang` (DFlash's config fields and weight names, export.py) and
+the serving plugin (dspine/sglang_plugin: the model it subclasses, the registries it registers with, the two
+worker methods it hooks and the attributes it reads there).
 """
 
 from __future__ import annotations
@@ -20,8 +21,19 @@ NAMES: dict[str, list[str]] = {
         r"class DFlashDraftModel\b", r"def load_weights\b", r"stacked_params_mapping", r"EntryClass",
         r"self\.fc\s*=", r"self\.hidden_norm\s*=", r"self\.norm\s*=", r"\"q_proj\"", r"\"k_proj\"", r"\"v_proj\"",
         r"\"gate_proj\"", r"\"up_proj\"", r"o_proj", r"down_proj", r"q_norm", r"k_norm", r"input_layernorm",
-        r"post_attention_layernorm",
+        r"post_attention_layernorm", r"self\.block_size\s*=", r"self\.layers\s*=", r"LogitsProcessorOutput\(",
     ],
+    # the DFlash worker: the two methods the plugin hooks, and what it reads from the worker
+    "sglang/srt/speculative/dflash_worker_v2.py": [
+        r"def _maybe_build_draft_sampler\(self\)", r"def _greedy_sample_from_vocab_parallel_head\(",
+        r"hidden_states: torch\.Tensor", r"lm_head,", r"self\.draft_model = ", r"self\._target_worker = ",
+        r"self\.block_size = ", r"_draft_sampler\.out\[", r"capture_tail_hooks",
+    ],
+    "sglang/srt/models/registry.py": [r"def register\(\s*self, package_name: str, overwrite: bool = False, strict",
+                                      r"ModelRegistry = _ModelRegistry\(\)"],
+    "sglang/srt/plugins/hook_registry.py": [r"class HookRegistry\b", r"AROUND = \"around\"", r"def register\("],
+    "sglang/srt/layers/logits_processor.py": [r"class LogitsProcessorOutput\b"],
+    "sglang/srt/runtime_context.py": [r"def get_parallel\(", r"def get_exec\("],
     # the config fields it reads (export writes them in DFlash's names)
     "sglang/srt/speculative/dflash_utils.py": [
         r"def parse_dflash_draft_config\b", r"mask_token_id", r"target_layer_ids", r"num_target_layers",

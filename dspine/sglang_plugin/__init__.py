@@ -1,0 +1,77 @@
+"""dspine's SGLang plugin (no fork): serve DSpine and post-backbone drafters with
+`--speculative-algorithm DFLASH --speculative-draft-model-path <dspine export>`.
+
+Installed with dspine (`pip install dspine[sglang]`), found by SGLang through the entry-point group
+`sglang.srt.plugins` (`dspine = dspine.sglang_plugin:register`), which SGLang runs in the server and in every
+scheduler process. `register`:
+- registers `DSpineDraftModel` (models/dspine_draft.py) with SGLang's `ModelRegistry`: SGLang's DFlash draft
+  model plus the injection after every injecting layer, so SGLang's KV-context materialisation, attention
+  backends, CUDA graphs and verify are reused unchanged;
+- hooks, through SGLang's `HookRegistry` (AROUND, deferring to SGLang for any other draft model), the two
+  places where DFlash turns draft hidden states into tokens: `_maybe_build_draft_sampler` (the head folded
+  into the draft CUDA graph) and `_greedy_sample_from_vocab_parallel_head` (the eager path). For a DSpine
+  drafter both propose through the transition cache + greedy walk (core.py), fused Triton kernels on CUDA.
+
+Why DFLASH and not a registered algorithm: 0.5.17 checks `is_dflash()` and `== SpeculativeAlgorithm.DFLASH`
+in the scheduler, memory sizing and CUDA-graph runners; a `SpeculativeAlgorithm.register`-ed name would have
+to re-enter every one of those. The proposal step is the only behaviour DSpine changes, so it is hooked there.
+
+Sampling (temperature > 0): SGLang 0.5.17's DFlash verifier is target-only — drafts are treated as point
+masses, accepted with probability p(x) and resampled from norm(max(0, p − δ_x)) — which is exact for a
+deterministic proposal such as the greedy walk. The sampled walk with its proposal q (dspine.decoding) needs a
+verifier that takes q: 0.5.23's DFlash2 candidate-selector contract is where it goes.
+
+Version-specific names live in `SGLANG_TARGETS` here and in the model module; dspine/sglang_compat.py lists
+them for the CI check against the 0.5.17 and 0.5.23 wheels.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+WORKER = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"
+SGLANG_TARGETS = {"build_sampler": f"{WORKER}._maybe_build_draft_sampler",
+                  "eager_sample": f"{WORKER}._greedy_sample_from_vocab_parallel_head"}
+
+
+def _is_dspine(worker) -> bool:
+    return hasattr(getattr(worker, "draft_model", None), "dspine_state")
+
+
+def _build_sampler(original, self, *args, **kwargs):
+    if not _is_dspine(self):
+        return original(self, *args, **kwargs)
+    from sglang.srt.runtime_context import get_exec
+
+    from .core import DSpineDraftSampler
+
+    model = self.draft_model
+    if int(self.block_size) != int(model.block_size):
+        raise ValueError(f"--speculative-num-draft-tokens {self.block_size} differs from the DSpine drafter's "
+                         f"block_size {model.block_size}: the injection chain is trained for one block size")
+    head = self._target_worker.model_runner.model.lm_head.weight
+    logger.info("dspine: transition-cache proposal folded into the draft CUDA graph (top_k %d, layers %s)",
+                model.dspine.top_k, model.inject_layers)
+    return DSpineDraftSampler(model, head, self.block_size, max(get_exec().graph.cuda_graph_config.decode.bs))
+
+
+def _eager_sample(original, self, *args, hidden_states=None, lm_head=None, **kwargs):
+    if not _is_dspine(self):
+        return original(self, *args, hidden_states=hidden_states, lm_head=lm_head, **kwargs)
+    from .core import propose_from_state
+
+    B = int(self.block_size)
+    slots = hidden_states.view(-1, B - 1, hidden_states.shape[-1])  # (bs, B-1, d)
+    return propose_from_state(self.draft_model, slots, lm_head.weight)
+
+
+def register() -> None:
+    """Entry point of the `sglang.srt.plugins` group."""
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    ModelRegistry.register("dspine.sglang_plugin.models", overwrite=True, strict=True)
+    HookRegistry.register(SGLANG_TARGETS["build_sampler"], _build_sampler, HookType.AROUND)
+    HookRegistry.register(SGLANG_TARGETS["eager_sample"], _eager_sample, HookType.AROUND)

@@ -1,0 +1,139 @@
+"""The plugin's SGLang-free parts, tested on CPUs: the `dspine_config` section, the weight split between
+SGLang's DFlash loader and DSpine's own modules, the injection on SGLang's flat token layout, and the
+block proposal (transition cache + greedy walk) that runs where SGLang's DFlash takes its argmax.
+
+SGLang lays the draft block out flat: `bs * B` rows, block b at rows [b*B, (b+1)*B), slot 0 the anchor (the
+bonus token). Everything here reshapes that view; nothing allocates per call beyond what torch ops return,
+so the draft CUDA graph captures the proposal together with the draft forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import kernels
+
+from ..config import ConfigError, from_dict
+from ..decoding import transition_scores, walk_greedy
+from ..drafter import VARIANTS, Injection
+from ..export import INJECTION
+
+
+@dataclass
+class PluginConfig:
+    """`dspine_config` of an exported checkpoint (export.py writes it; unknown keys are an error)."""
+
+    method: str = "dspine"
+    transfer_rank: int = 256
+    message_size: int = 256
+    top_k: int = 8
+
+
+def parse_dspine_config(hf_config) -> tuple[PluginConfig, list[int]]:
+    """A transformers config (or dict) of a DSpine export -> (typed section, layers that inject)."""
+    raw = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    section = raw.get("dspine_config")
+    if not isinstance(section, dict):
+        raise ConfigError("config.json has no dspine_config section: export the drafter with "
+                          "`dspine export --to sglang`")
+    cfg = from_dict(PluginConfig, section, "dspine_config")
+    if cfg.method not in VARIANTS or VARIANTS[cfg.method] == "none":
+        raise ConfigError(f"dspine_config.method {cfg.method!r}: DSpineDraftModel serves "
+                          f"{sorted(k for k, v in VARIANTS.items() if v != 'none')}; a dflash drafter is "
+                          "exported as SGLang's own DFlashDraftModel")
+    n = int(raw["num_hidden_layers"])
+    layers = list(range(n)) if VARIANTS[cfg.method] == "all" else [n - 1]
+    if min(cfg.transfer_rank, cfg.message_size, cfg.top_k) < 1:
+        raise ConfigError("dspine_config: transfer_rank, message_size and top_k must be >= 1")
+    return cfg, layers
+
+
+def dspine_weight_names(inject_layers: list[int]) -> set[str]:
+    """Names DSpine loads itself (SGLang's DFlash loader would silently skip them)."""
+    names = {f"injections.{layer}.{p}" for layer in inject_layers for p in INJECTION}
+    return names | {"transfer_codes"}
+
+
+def split_weights(weights, inject_layers: list[int]):
+    """Iterable of (name, tensor) -> (DSpine's {name: tensor}, the rest for DFlash's loader). A name under
+    `injections.` or `transfer_codes` that this config does not have is an error, and so is a missing one."""
+    want = dspine_weight_names(inject_layers)
+    mine, rest = {}, []
+    for name, w in weights:
+        key = name[len("model."):] if name.startswith("model.") else name
+        if key.startswith("injections.") or key == "transfer_codes":
+            if key not in want:
+                raise ValueError(f"checkpoint weight {name!r} does not belong to this dspine_config "
+                                 f"(injecting layers {inject_layers})")
+            mine[key] = w
+        else:
+            rest.append((name, w))
+    missing = sorted(want - set(mine))
+    if missing:
+        raise ValueError(f"checkpoint lacks DSpine weights {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    return mine, rest
+
+
+def inject_flat(inj: Injection, h: torch.Tensor, anchor_code: torch.Tensor, block_size: int):
+    """h (bs*B, d) full residual stream after a layer, anchor_code (bs, r) -> (h updated, f (bs*B, r))."""
+    bs = h.shape[0] // block_size
+    hb = h.view(bs, 1, block_size, -1)
+    if kernels.enabled(h):
+        from kernels.injection import fused_injection
+
+        out, f = fused_injection(inj, hb, anchor_code[:, None])
+    else:
+        out, f = inj(hb, anchor_code[:, None])
+    return out.reshape(h.shape), f.reshape(h.shape[0], -1)
+
+
+def propose_block(slots: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor, inj: Injection, norm: nn.Module,
+                  head: torch.Tensor, codes: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Greedy proposal for one block per row.
+
+    slots (bs, B-1, d) slots 1..B-1 after the drafter's final norm (what SGLang's DFlash takes its argmax of);
+    h_pre (bs, B, d) before the last layer's write; f (bs, B, r) the last layer's readout;
+    head (V, d) the target's lm_head; codes (V, r) -> tokens (bs, B-1) for slots 1..B-1.
+    Slot 1 is the argmax of its logits (as DFlash); slots >= 2 follow the transition cache.
+    """
+    logits = torch.matmul(slots, head.t().to(slots.dtype))  # (bs, B-1, V)
+    cand = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices  # (bs, B-1, K)
+    if cand.shape[1] == 1:
+        return cand[:, :, 0]
+    args = (inj, norm, head, codes, h_pre, f, cand)
+    if kernels.enabled(slots):
+        import kernels.transition as fused
+
+        return fused.fused_walk_greedy(cand, fused.fused_transition_scores(*args))
+    return walk_greedy(cand, transition_scores(*args))
+
+
+def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """slots (bs, B-1, d) normed draft hidden of slots 1..B-1; the rest from the DSpine model's forward
+    (`model.dspine_state`: h_pre, f) -> tokens (bs*(B-1),)."""
+    bs, Bm1, _ = slots.shape
+    st = model.dspine_state
+    last = str(max(model.inject_layers))
+    return propose_block(slots, st["h_pre"].view(bs, Bm1 + 1, -1), st["f"].view(bs, Bm1 + 1, -1),
+                         model.injections[last], model.norm_for_scores, head, model.transfer_codes,
+                         model.dspine.top_k).reshape(-1)
+
+
+class DSpineDraftSampler:
+    """Stands where SGLang's `_DflashDraftSampler` stands (same `out` buffer and call signature): called on
+    the draft forward's hidden states inside the draft CUDA graph, it writes the proposed tokens of slots
+    1..B-1 of every block into `out`."""
+
+    def __init__(self, model, head: torch.Tensor, block_size: int, max_bs: int):
+        self.model, self.head, self.block_size = model, head, int(block_size)
+        self.out = torch.empty(int(max_bs) * (self.block_size - 1), dtype=torch.int64, device=head.device)
+
+    def __call__(self, hidden_states: torch.Tensor, input_ids=None) -> None:
+        """hidden_states (bs*B, d) after the final norm."""
+        B = self.block_size
+        slots = hidden_states.view(-1, B, hidden_states.shape[-1])[:, 1:]
+        toks = propose_from_state(self.model, slots, self.head)
+        self.out[: toks.shape[0]].copy_(toks)

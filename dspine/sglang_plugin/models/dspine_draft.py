@@ -1,0 +1,76 @@
+"""`DSpineDraftModel` for SGLang: SGLang's DFlash draft model (its RadixAttention layers, context-KV
+materialisation, CUDA graphs and verify stay SGLang's) plus DSpine's gated adjacent injection after the
+injecting layers and the state the transition-cache proposal needs.
+
+SGLang finds this module through `ModelRegistry.register("dspine.sglang_plugin.models")` (the plugin's
+entry point) and builds it for checkpoints whose `architectures` is ["DSpineDraftModel"].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.models.dflash import DFlashDraftModel
+from sglang.srt.runtime_context import get_parallel
+
+from dspine.drafter import Injection, RMSNorm
+from dspine.sglang_plugin.core import inject_flat, parse_dspine_config, split_weights
+
+
+class DSpineDraftModel(DFlashDraftModel):
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        super().__init__(config=config, quant_config=quant_config, prefix=prefix)
+        if int(get_parallel().tp_size) != 1:
+            raise NotImplementedError("the dspine SGLang plugin serves DSpine drafters at tp_size 1 only")
+        self.dspine, self.inject_layers = parse_dspine_config(config)
+        d, r, s = int(config.hidden_size), self.dspine.transfer_rank, self.dspine.message_size
+        self.injections = nn.ModuleDict({str(i): Injection(d, r, s) for i in self.inject_layers})
+        # the code table is a lookup, kept fp32 whatever the serving dtype
+        self.register_buffer("transfer_codes", torch.zeros(int(config.vocab_size), r, dtype=torch.float32))
+        # the transition scores' norm is the final norm; a plain-torch view of its weight (kernels read .weight,
+        # .eps) — not a submodule, so it is neither loaded nor listed twice
+        score_norm = RMSNorm(d, float(getattr(config, "rms_norm_eps", 1e-6)))
+        score_norm.weight = self.norm.weight
+        object.__setattr__(self, "norm_for_scores", score_norm)
+        self.dspine_state: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False,
+                pp_proxy_tensors=None) -> LogitsProcessorOutput:
+        """input_ids/positions (bs*B,), the block flat; input_embeds (bs*B, d) the target's embedding."""
+        if input_embeds is None:
+            raise ValueError("DSpineDraftModel requires input_embeds (the target's embedding of the block)")
+        h, residual = input_embeds, None
+        if h.numel() == 0:
+            return LogitsProcessorOutput(next_token_logits=None, hidden_states=h)
+        B = int(self.block_size)
+        anchor_code = self.transfer_codes[input_ids.view(-1, B)[:, 0]].to(h.dtype)  # (bs, r)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(positions, h, forward_batch, residual)
+            inj = self.injections[str(i)] if str(i) in self.injections else None
+            if inj is None:
+                continue
+            h, residual = h + residual, None  # the injection reads and writes the full residual stream
+            if i == last:
+                self.dspine_state["h_pre"] = h
+            h, f = inject_flat(inj, h, anchor_code, B)
+            if i == last:
+                self.dspine_state["f"] = f
+        h = self.norm(h) if residual is None else self.norm(h, residual)[0]
+        return LogitsProcessorOutput(next_token_logits=None, hidden_states=h)
+
+    def load_weights(self, weights):
+        mine, rest = split_weights(weights, self.inject_layers)
+        own = {**dict(self.injections.named_parameters(prefix="injections")),
+               "transfer_codes": self.transfer_codes}
+        for name, w in mine.items():
+            if tuple(w.shape) != tuple(own[name].shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} vs model {tuple(own[name].shape)}")
+            own[name].data.copy_(w.to(own[name].dtype))
+        super().load_weights(rest)
+
+
+EntryClass = [DSpineDraftModel]

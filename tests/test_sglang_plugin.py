@@ -1,0 +1,107 @@
+"""The SGLang plugin's SGLang-free parts on the CPU: config section, weight split, the injection on SGLang's
+flat block layout, and the transition-cache proposal it folds into the draft CUDA graph — checked against
+dspine's own drafter and `decoding.propose`, which the lossless tests guard. (SGLang itself runs on the GPU:
+tests marked `gpu` in test_sglang_gpu.py.)"""
+
+import json
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import perturb_writes, tiny_target
+from dspine.checkpoint import save_drafter
+from dspine.config import ConfigError
+from dspine.decoding import propose
+from dspine.drafter import DSpineDraftModel
+from dspine.export import export_sglang
+from dspine.sampling import SamplingParams
+from dspine.sglang_plugin.core import (DSpineDraftSampler, inject_flat, parse_dspine_config, propose_from_state,
+                                       split_weights)
+
+
+def test_entry_point_is_declared_and_loads_without_sglang():
+    eps = {e.name: e for e in entry_points(group="sglang.srt.plugins")}
+    assert eps["dspine"].value == "dspine.sglang_plugin:register"
+    assert callable(eps["dspine"].load())  # SGLang is imported only when SGLang calls it
+
+
+def _drafter(method, seed=0):
+    target = tiny_target("qwen3", layers=6)
+    d = DSpineDraftModel.for_target(target, method=method, num_hidden_layers=3, block_size=8, top_k=4)
+    return target, perturb_writes(d, seed=seed).eval()
+
+
+@pytest.mark.parametrize("method", ["dspine", "post_backbone"])
+def test_config_and_weights_of_an_export(tmp_path, method):
+    _, d = _drafter(method)
+    out = export_sglang(save_drafter(d, tmp_path / "ckpt"), tmp_path / "x")
+    raw = json.loads((tmp_path / "x" / "config.json").read_text())
+    cfg, layers = parse_dspine_config(raw)
+    assert layers == d.config.inject_layers and cfg.top_k == 4 and cfg.transfer_rank == d.config.transfer_rank
+    weights = load_file(str(tmp_path / "x" / "model.safetensors"))
+    mine, rest = split_weights(weights.items(), layers)
+    assert set(mine) == {k for k in weights if k.startswith("injections.")} | {"transfer_codes"}
+    assert len(mine) + len(rest) == len(weights) == out["weights"]
+    # SGLang's DFlash loader would skip what it does not know; the plugin refuses both directions
+    with pytest.raises(ValueError, match="injections.7.readout.weight"):
+        split_weights([*weights.items(), ("injections.7.readout.weight", torch.zeros(1))], layers)
+    with pytest.raises(ValueError, match="lacks DSpine weights"):
+        split_weights([(k, v) for k, v in weights.items() if k != "transfer_codes"], layers)
+    # bad sections name the problem
+    with pytest.raises(ConfigError, match="DFlashDraftModel"):
+        parse_dspine_config({**raw, "dspine_config": {**raw["dspine_config"], "method": "dflash"}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_dspine_config({**raw, "dspine_config": {**raw["dspine_config"], "rank": 3}})
+    with pytest.raises(ConfigError, match="no dspine_config"):
+        parse_dspine_config({k: v for k, v in raw.items() if k != "dspine_config"})
+
+
+@pytest.mark.parametrize("method", ["dspine", "post_backbone"])
+def test_flat_layout_forward_and_proposal_match_dspine(method):
+    """The plugin model's loop (flat bs*B rows, anchor = first row of each block, injection after the
+    injecting layers, h_pre/f kept for the proposal) and its sampler give dspine's own drafter forward and
+    greedy `propose`, token for token."""
+    target, d = _drafter(method, seed=1)
+    cfg, B = d.config, d.config.block_size
+    g = torch.Generator().manual_seed(0)
+    N, C = 3, 11
+    ids = torch.randint(0, cfg.vocab_size, (N, C + 1), generator=g)
+    with torch.no_grad():
+        feats = target.features(ids[:, :C], cfg.target_layer_ids)
+        ctx = d.context_kv(feats, torch.arange(C).expand(N, C))
+        block = d.block_inputs(ids[:, C:])  # (N, 1, B)
+        pos = (C + torch.arange(B)).expand(N, 1, B)
+        ref = d(block, pos, ctx)
+        want = propose(d, ref, SamplingParams(temperature=0.0)).tokens
+
+        # the plugin's forward, on the flat layout SGLang uses
+        flat_ids = block.reshape(-1)
+        h = torch.nn.functional.embedding(flat_ids, d._embed)
+        anchor_code = d.transfer_codes[flat_ids.view(-1, B)[:, 0]]
+        state, last = {}, cfg.num_hidden_layers - 1
+        for i, layer in enumerate(d.layers):
+            h = layer(h.view(N, B, -1), pos.view(N, B), *ctx[i], None).reshape(N * B, -1)
+            if str(i) in d.injections:
+                if i == last:
+                    state["h_pre"] = h
+                h, f = inject_flat(d.injections[str(i)], h, anchor_code, B)
+                if i == last:
+                    state["f"] = f
+        torch.testing.assert_close(h.view(N, 1, B, -1), ref.hidden, rtol=0, atol=0)
+        model = SimpleNamespace(dspine_state=state, inject_layers=cfg.inject_layers, injections=d.injections,
+                                norm_for_scores=d.norm, transfer_codes=d.transfer_codes,
+                                dspine=SimpleNamespace(top_k=cfg.top_k))
+        sampler = DSpineDraftSampler(model, d.head, B, max_bs=8)
+        sampler(d.norm(h), flat_ids)
+    got = sampler.out[: N * (B - 1)].view(N, B - 1)
+    assert torch.equal(got, want)
+    # the proposal is not just DFlash's per-slot argmax: the walk changed at least one slot here
+    with torch.no_grad():
+        argmax = d.logits(ref.hidden[:, 0, 1:]).argmax(-1)
+    assert not torch.equal(got, argmax)
+    # the eager path SGLang takes without a draft CUDA graph gives the same tokens
+    eager = propose_from_state(model, d.norm(h).view(N, B, -1)[:, 1:], d.head)
+    assert torch.equal(eager.view(N, B - 1), want)
