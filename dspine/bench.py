@@ -2,8 +2,8 @@
 time of a speculative round split into its phases (draft forward incl. injection, propose = transition
 cache + walk, target verify, commit) from device-synchronised timing. AR always runs in the same call.
 
-The engine decodes one request at a time, so concurrency is 1 here; SGLang (the plugin, still to come)
-is where concurrency 4/16/32 will be measured in the same table.
+The engine decodes one request at a time, so concurrency is 1 here; `--backend sglang` (sglang_bench.py)
+gives the same table at concurrency 1 and a throughput table over its concurrencies.
 """
 
 from __future__ import annotations
@@ -76,4 +76,17 @@ def bench_table(doc: dict) -> str:
                      f"{r.get('tau_mean', 1.0):.3f} | {r.get('round_ms', r.get('ar_step_ms', 0)):.2f} | "
                      f"{r.get('round_over_ar_step', 1.0):.2f} | {f('draft')} | {f('propose')} | {f('verify')} | "
                      f"{f('commit')} |")
+    if doc.get("by_concurrency"):
+        names = list(doc["rows"])
+        lines += ["", "| concurrency | " + " | ".join(f"{n} tok/s (× AR)" for n in names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for c, rows in doc["by_concurrency"].items():
+            lines.append(f"| {c} | " + " | ".join(f"{rows[n]['tokens_per_s']:.0f} ({rows[n]['speedup_vs_ar']:.2f})"
+                                                  for n in names) + " |")
+    if doc.get("tau_per_benchmark_c1"):
+        per = doc["tau_per_benchmark_c1"]
+        names = list(per)
+        lines += ["", "| benchmark | " + " | ".join(f"τ {n}" for n in names) + " |", "|---|" + "---|" * len(names)]
+        for b in doc["benchmarks"]:
+            lines.append(f"| {b} | " + " | ".join(f"{per[n][b]:.3f}" for n in names) + " |")
     return "\n".join(lines) + "\n"

@@ -130,21 +130,34 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="weights' dtype (default: %(default)s; the code table stays fp32)")
 
-    bn = sub.add_parser("bench", help="speed of AR and drafters, with the speculative round split into phases",
+    bn = sub.add_parser("bench", help="speed of AR and drafters (embedded engine or SGLang), side by side",
                         description="Decode benchmark prompts with AR and each drafter in one run and report "
-                                    "tokens/s, the ratio to AR, tau, and the time of a speculative round split into "
-                                    "draft forward (injection included), propose (transition cache + walk), target "
-                                    "verify and commit, from device-synchronised timing. --backend sglang needs the "
-                                    "dspine SGLang plugin, which is not built yet.")
+                                    "tokens/s, the ratio to AR, tau and the cost of a speculative round against an AR "
+                                    "step. engine: concurrency 1, the round split into draft forward (injection "
+                                    "included), propose (transition cache + walk), target verify and commit. sglang: "
+                                    "one SGLang server per method (DSpine drafters through the dspine plugin, "
+                                    "installed with dspine), at each --concurrency, with per-benchmark tau and the "
+                                    "greedy match rate against AR. A dspine checkpoint given to --backend sglang is "
+                                    "exported for SGLang first (bf16).")
     _add_target(bn)
     bn.add_argument("--backend", choices=("engine", "sglang"), default="engine",
-                    help="engine: the embedded engine (default); sglang: not available yet")
+                    help="engine: the embedded engine (default); sglang: SGLang servers with the dspine plugin")
     bn.add_argument("--drafter", action="append", default=[], metavar="NAME=CHECKPOINT",
                     help="a drafter to measure (repeatable); AR is always measured in the same run")
     bn.add_argument("--benchmarks", default="gsm8k,mt_bench", help="comma-separated (default: %(default)s)")
     bn.add_argument("--limit", type=int, default=4, help="items per benchmark (default: %(default)s)")
     bn.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    bn.add_argument("--out", help="JSON file to write (a .md table beside it)")
+    bn.add_argument("--concurrency", default="1,4,16,32",
+                    help="sglang: comma-separated client concurrencies (default: %(default)s)")
+    bn.add_argument("--sglang-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="sglang: serving dtype (default: %(default)s)")
+    bn.add_argument("--sglang-flags", default=None,
+                    help="sglang: launch_server flags for every server, one string (default: "
+                         "triton attention, torch sampling, no radix cache, decode CUDA graphs up to batch 32, "
+                         "no prefill CUDA graph)")
+    bn.add_argument("--out", help="JSON file to write (a .md table beside it; SGLang logs in its folder)")
+    bn.add_argument("--summary", help="sglang: summary.json whose `speed` section is rewritten "
+                                      "(needs drafters named dspine and dflash)")
     bn.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     e = sub.add_parser("eval", help="acceptance per benchmark for AR and any set of drafters",
@@ -380,25 +393,61 @@ def _load_models(a, specs: dict[str, str]):
 
 
 def cmd_bench(a) -> int:
+    import shlex
     from pathlib import Path
 
     from .bench import bench_table, engine_bench
     from .io import atomic_write_text
 
-    if a.backend == "sglang":
-        raise UsageError("--backend sglang needs the dspine SGLang plugin, which is not built yet; use --backend engine")
     benches = _benchmark_names(a.benchmarks)
     if a.limit <= 0 or a.max_new_tokens <= 0:
         raise UsageError("--limit and --max-new-tokens must be positive")
     specs = _drafter_specs(a.drafter)
-    target, drafters = _load_models(a, specs)
-    doc = engine_bench(target, drafters, benches, a.limit, a.max_new_tokens, progress=not a.no_progress)
+    if a.backend == "sglang":
+        doc = _bench_sglang(a, benches, specs, shlex.split(a.sglang_flags) if a.sglang_flags is not None else None)
+    else:
+        target, drafters = _load_models(a, specs)
+        doc = engine_bench(target, drafters, benches, a.limit, a.max_new_tokens, progress=not a.no_progress)
     table = bench_table(doc)
     if a.out:
         atomic_write_text(Path(a.out), json.dumps(doc, indent=1) + "\n")
         atomic_write_text(Path(a.out).with_suffix(".md"), table)
     print(table)
     return 0
+
+
+def _bench_sglang(a, benches: list[str], specs: dict[str, str], flags: list[str] | None) -> dict:
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from workloads import load_benchmark
+
+    from .recipe import update_summary
+    from .sglang_bench import sglang_bench, speed_section
+    from .target import resolve_target_path
+
+    try:
+        conc = sorted({int(c) for c in a.concurrency.split(",")})
+    except ValueError:
+        raise UsageError(f"--concurrency {a.concurrency!r} is not a comma-separated list of integers") from None
+    if not conc or conc[0] < 1:
+        raise UsageError("--concurrency values must be >= 1")
+    if a.summary and not {"dspine", "dflash"} <= set(specs):
+        raise UsageError("--summary needs drafters named dspine and dflash (--drafter dspine=... --drafter dflash=...)")
+    if importlib.util.find_spec("sglang") is None:
+        raise UsageError("--backend sglang needs SGLang: pip install 'dspine[sglang]' (on a CUDA machine)")
+    path = resolve_target_path(a.target)
+    out_dir = Path(a.out).parent if a.out else Path(tempfile.mkdtemp(prefix="dspine-sglang-"))
+    items = [it for b in benches for it in load_benchmark(b, a.limit)]
+    doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), specs, items, conc, a.max_new_tokens, out_dir,
+                       dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress)
+    if a.summary:
+        kernels = json.loads(Path(a.summary).read_text()).get("kernels") if Path(a.summary).is_file() else None
+        update_summary(a.summary, "speed", speed_section(doc, kernels))
+    return doc
 
 
 def cmd_eval(a) -> int:

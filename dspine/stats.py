@@ -11,6 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def tau_of(accepted: int, rounds: int) -> float:
+    """τ from counts: (accepted drafts + one bonus per round) / rounds — also for servers that report only
+    counts (SGLang's meta_info `spec_num_correct_drafts`, `spec_verify_ct`)."""
+    return (accepted + rounds) / rounds if rounds else 0.0
+
+
 @dataclass
 class AcceptanceStats:
     block_size: int
@@ -39,7 +45,7 @@ class AcceptanceStats:
 
     @property
     def tau(self) -> float:
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return tau_of(self.accepted, self.rounds)
 
     @property
     def accept_rate(self) -> float:

@@ -1,4 +1,5 @@
-"""`dspine bench --backend engine`: AR and a drafter in one run, the round split into phases."""
+"""`dspine bench`: AR and a drafter in one run, the round split into phases (engine); the SGLang backend's
+option checks (its servers run on the GPU: test_sglang_gpu.py) and its table."""
 
 import json
 
@@ -20,5 +21,10 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     assert ds["round_ms"] * ds["rounds"] / 1000 <= ds["seconds"]  # the phases fit inside the measured time
     assert abs(ds["round_over_ar_step"] - ds["round_ms"] / ar["ar_step_ms"]) < 1e-9
     assert "| dspine |" in capsys.readouterr().out and out.with_suffix(".md").is_file()
+    # SGLang needs CUDA: here it is absent, which the sglang backend says after checking its own options
+    assert main(["bench", "--backend", "sglang", "--concurrency", "1,x"]) == 2
+    assert "--concurrency" in capsys.readouterr().err
+    assert main(["bench", "--backend", "sglang", "--summary", str(tmp_path / "s.json")]) == 2
+    assert "named dspine and dflash" in capsys.readouterr().err
     assert main(["bench", "--backend", "sglang"]) == 2
-    assert "plugin" in capsys.readouterr().err
+    assert "needs SGLang" in capsys.readouterr().err

@@ -1,0 +1,203 @@
+"""`dspine bench --backend sglang`: AR, DFlash and DSpine served by SGLang (the dspine plugin for DSpine),
+each measured in the same run with the same flags, at several concurrencies.
+
+Per server (AR first, then each drafter): launch `sglang.launch_server` on 127.0.0.1 with the target and the
+drafter's SGLang export; measure prefill time per prompt (max_new_tokens=1, concurrency 1); then run the prompt
+set at each concurrency through `/generate` (token ids in, so every backend sees the same tokens).
+- throughput: completion tokens / wall time, per concurrency;
+- τ per request from SGLang's meta_info counts (`spec_num_correct_drafts`, `spec_verify_ct`) with dspine's one
+  definition (stats.tau_of), per benchmark at concurrency 1 — comparable with `dspine eval` on the same items;
+- round cost at concurrency 1: (latency − prefill) / verify rounds, against the AR step (latency − prefill) /
+  (tokens − 1) of the AR server;
+- greedy outputs: the match rate of each server and concurrency with AR at concurrency 1, AR's own rate
+  beside it (bf16 near-ties flip between batch shapes; SGLang's own variance is the yardstick).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .evaluate import git_sha, hardware
+from .server import free_port, wait_http
+from .stats import tau_of
+
+# triton attention and torch sampling: FA3 and flashinfer's JIT are not on the H200 image (../shared/GPU.md)
+# decode CUDA graphs on (batch <= 32); prefill graphs off (their capture costs ~2 min per start, GPU.md)
+DEFAULT_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-radix-cache",
+                 "--mem-fraction-static", "0.5", "--cuda-graph-max-bs-decode", "32", "--max-running-requests", "64",
+                 "--disable-prefill-cuda-graph")
+
+
+def sglang_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def ensure_export(path: str, out_dir: Path, name: str) -> tuple[str, int]:
+    """A drafter folder -> (a folder SGLang loads, its block size): used as is when it validates as an SGLang
+    export, else exported (bf16) under out_dir/exports/NAME."""
+    from .export import ExportError, export_sglang, validate_sglang_export
+
+    block = int(json.loads((Path(path) / "config.json").read_text())["block_size"])
+    try:
+        validate_sglang_export(path)
+        return str(path), block
+    except ExportError:
+        return export_sglang(path, out_dir / "exports" / name)["path"], block
+
+
+class SGLangServer:
+    """One `sglang.launch_server` child on 127.0.0.1; its log goes to `log_path`."""
+
+    def __init__(self, target_path: str, draft: str | None, block_size: int, flags: list[str], dtype: str,
+                 log_path: Path, timeout: float = 600):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target_path, "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", dtype, *flags]
+        if draft:
+            cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,
+                    "--speculative-num-draft-tokens", str(block_size)]
+        self.cmd = cmd
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(log_path, "wb")
+        t0 = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.base = f"http://127.0.0.1:{self.port}"
+        try:
+            wait_http(self.base + "/health_generate", self.proc, timeout)
+        except RuntimeError as e:
+            self.close()
+            raise RuntimeError(f"SGLang did not start ({e}); see {log_path}") from None
+        self.startup_s = time.time() - t0
+
+    def generate(self, ids: list[int], max_new_tokens: int, temperature: float) -> dict:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
+        req = urllib.request.Request(self.base + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=600) as r:
+            doc = json.loads(r.read())
+        doc["latency_s"] = time.perf_counter() - t0
+        return doc
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _run_set(server: SGLangServer, prompts: list[list[int]], conc: int, max_new_tokens: int, temperature: float):
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(conc) as ex:
+        docs = list(ex.map(lambda p: server.generate(p, max_new_tokens, temperature), prompts))
+    return docs, time.perf_counter() - t0
+
+
+def _match(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        prefix.append(n / max(1, max(len(x), len(y))))
+    return {"identical": same, "of": len(a), "mean_common_prefix": sum(prefix) / max(1, len(prefix))}
+
+
+def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: list, concurrencies: list[int],
+                 max_new_tokens: int, out_dir: Path, dtype: str = "bfloat16", flags: list[str] | None = None,
+                 temperature: float = 0.0, progress: bool = True) -> dict:
+    """items: benchmark Items (first turns are sent); drafters {name: checkpoint or export}."""
+    from tqdm.auto import tqdm
+
+    flags = list(DEFAULT_FLAGS if flags is None else flags)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": it.turns[0]}], add_generation_prompt=True,
+                                             tokenize=True) for it in items]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    bench_of = [it.id.split("/")[0] for it in items]
+    variants = {"ar": (None, 1), **{n: ensure_export(p, out_dir, n) for n, p in drafters.items()}}
+    by_conc: dict[int, dict] = {c: {} for c in concurrencies}
+    outputs: dict[str, dict[int, list[list[int]]]] = {}
+    per_bench: dict[str, dict[str, float]] = {}
+    c1: dict[str, dict] = {}
+    servers = {}
+    bar = tqdm(total=len(variants) * (1 + len(concurrencies)), desc="sglang bench", disable=not progress)
+    for name, (draft, bsz) in variants.items():
+        srv = SGLangServer(target_path, draft, bsz, flags, dtype, out_dir / "logs" / f"{name}.log")
+        try:
+            prefill = [d["latency_s"] for d in _run_set(srv, prompts, 1, 1, temperature)[0]]
+            bar.update(1)
+            outputs[name] = {}
+            for c in concurrencies:
+                docs, wall = _run_set(srv, prompts, c, max_new_tokens, temperature)
+                toks = sum(d["meta_info"]["completion_tokens"] for d in docs)
+                row = {"requests": len(docs), "tokens": toks, "seconds": wall, "tokens_per_s": toks / wall}
+                outputs[name][c] = [list(d.get("output_ids", [])) for d in docs]
+                if draft:
+                    taus = [tau_of(d["meta_info"].get("spec_num_correct_drafts", 0), d["meta_info"]["spec_verify_ct"])
+                            for d in docs]
+                    row["tau_mean"] = sum(taus) / len(taus)
+                    row["tau_pooled"] = tau_of(sum(d["meta_info"].get("spec_num_correct_drafts", 0) for d in docs),
+                                               sum(d["meta_info"]["spec_verify_ct"] for d in docs))
+                if c == 1:
+                    decode = [max(1e-9, d["latency_s"] - p) for d, p in zip(docs, prefill)]
+                    if draft:
+                        rounds = [max(1, d["meta_info"]["spec_verify_ct"]) for d in docs]
+                        row["round_ms"] = 1000 * sum(decode) / sum(rounds)
+                        per_bench[name] = {}
+                        for b in dict.fromkeys(bench_of):
+                            t = [x for x, bb in zip(taus, bench_of) if bb == b]
+                            per_bench[name][b] = sum(t) / len(t)
+                    else:
+                        steps = sum(max(1, d["meta_info"]["completion_tokens"] - 1) for d in docs)
+                        row["ar_step_ms"] = 1000 * sum(decode) / steps
+                    c1[name] = row
+                by_conc[c][name] = row
+                bar.update(1)
+            servers[name] = {"startup_s": srv.startup_s, "command": " ".join(srv.cmd)}
+        finally:
+            srv.close()
+    bar.close()
+    for c, rows in by_conc.items():
+        for name, row in rows.items():
+            row["speedup_vs_ar"] = row["tokens_per_s"] / rows["ar"]["tokens_per_s"]
+            if c == 1 and "round_ms" in row:
+                row["round_over_ar_step"] = row["round_ms"] / rows["ar"]["ar_step_ms"]
+    ref = outputs["ar"][concurrencies[0]]
+    match = {name: {str(c): _match(outs[c], ref) for c in concurrencies} for name, outs in outputs.items()}
+    return {"backend": "sglang", "concurrency": 1, "rows": c1, "by_concurrency": {str(c): r for c, r in by_conc.items()},
+            "tau_per_benchmark_c1": per_bench, "greedy_match_vs_ar_c1": match if temperature == 0 else None,
+            "servers": servers, "sglang_version": sglang_version(), "flags": flags, "dtype": dtype,
+            "temperature": temperature, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
+            "benchmarks": list(dict.fromkeys(bench_of)), "git_sha": git_sha(), "hardware": hardware(),
+            "command": " ".join(sys.argv)}
+
+
+def speed_section(doc: dict, kernels: dict | None, dspine: str = "dspine", dflash: str = "dflash") -> dict:
+    """summary.json's `speed` section from an SGLang bench document (and the kernel bench for the injection
+    and transition figures per round)."""
+    bc = doc["by_concurrency"]
+    ratios = [bc[c][dspine]["tokens_per_s"] / bc[c][dflash]["tokens_per_s"] for c in bc]
+    out = {"dspine_vs_dflash_throughput_c1_32": sum(ratios) / len(ratios),
+           "dspine_vs_dflash_throughput_by_c": {c: r for c, r in zip(bc, ratios)},
+           "dspine_vs_ar_c1": doc["rows"][dspine]["speedup_vs_ar"],
+           "round_over_ar_step_dspine": doc["rows"][dspine]["round_over_ar_step"],
+           "round_over_ar_step_dflash": doc["rows"][dflash]["round_over_ar_step"],
+           "tau_c1": {n: r.get("tau_mean", 1.0) for n, r in doc["rows"].items()}}
+    if kernels:
+        out["injection_ms_per_round"] = kernels.get("injection_ms_per_round")
+        out["transition_ms_per_round"] = kernels.get("transition_ms_per_round")
+    out.update({k: doc[k] for k in ("git_sha", "command", "sglang_version", "flags", "hardware")})
+    return out
