@@ -25,14 +25,14 @@ def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_
                  temperature: float = 0.0, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    items = [it for b in benchmarks for it in load_benchmark(b, limit)]
+    items = [(b, it) for b in benchmarks for it in load_benchmark(b, limit)]
     engines = {"ar": Engine(target), **{n: Engine(target, d) for n, d in drafters.items()}}
-    rows = {}
+    rows, tau_bench = {}, {}
     bar = tqdm(total=len(items) * len(engines), desc="bench", disable=not progress)
     for name, eng in engines.items():
         totals: dict[str, float] = {}
-        stats, tokens, t0 = [], 0, time.perf_counter()
-        for i, it in enumerate(items):
+        stats, tokens, t0, per_bench = [], 0, time.perf_counter(), {}
+        for i, (bench, it) in enumerate(items):
             res = eng.generate(it.turns[0], SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
                                                            seed=i), profile=True)
             tokens += res.completion_tokens
@@ -40,6 +40,7 @@ def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_
                 totals[k] = totals.get(k, 0.0) + v
             if res.stats is not None:
                 stats.append(res.stats)
+                per_bench.setdefault(bench, []).append(res.stats.tau)
             bar.update(1)
         secs = time.perf_counter() - t0
         row = {"requests": len(items), "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
@@ -52,6 +53,7 @@ def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_
             row.update(tau_mean=s["tau_mean"], tau_pooled=s["tau_pooled"], rounds=s["rounds"],
                        phase_ms_per_round={p: 1000 * totals.get(p, 0.0) / rounds for p in PHASES})
             row["round_ms"] = sum(row["phase_ms_per_round"].values())
+            tau_bench[name] = {b: sum(t) / len(t) for b, t in per_bench.items()}
         rows[name] = row
     bar.close()
     ar = rows["ar"]
@@ -59,7 +61,8 @@ def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"]
         if name != "ar" and ar["ar_step_ms"]:
             row["round_over_ar_step"] = row["round_ms"] / ar["ar_step_ms"]
-    return {"backend": "engine", "concurrency": 1, "rows": rows, "benchmarks": benchmarks, "limit": limit,
+    return {"backend": "engine", "concurrency": 1, "rows": rows, "tau_per_benchmark_c1": tau_bench,
+            "benchmarks": benchmarks, "limit": limit,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "target": target.name,
             "dtype": str(target.dtype).replace("torch.", ""), "git_sha": git_sha(), "hardware": hardware(),
             "command": " ".join(sys.argv)}

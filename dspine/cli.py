@@ -441,7 +441,7 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], flags: list[str]
         raise UsageError("--backend sglang needs SGLang: pip install 'dspine[sglang]' (on a CUDA machine)")
     path = resolve_target_path(a.target)
     out_dir = Path(a.out).parent if a.out else Path(tempfile.mkdtemp(prefix="dspine-sglang-"))
-    items = [it for b in benches for it in load_benchmark(b, a.limit)]
+    items = [(b, it) for b in benches for it in load_benchmark(b, a.limit)]
     doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), specs, items, conc, a.max_new_tokens, out_dir,
                        dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress)
     if a.summary:

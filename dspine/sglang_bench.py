@@ -119,14 +119,14 @@ def _match(a: list[list[int]], b: list[list[int]]) -> dict:
 def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: list, concurrencies: list[int],
                  max_new_tokens: int, out_dir: Path, dtype: str = "bfloat16", flags: list[str] | None = None,
                  temperature: float = 0.0, progress: bool = True) -> dict:
-    """items: benchmark Items (first turns are sent); drafters {name: checkpoint or export}."""
+    """items: (benchmark, Item) pairs (first turns are sent); drafters {name: checkpoint or export}."""
     from tqdm.auto import tqdm
 
     flags = list(DEFAULT_FLAGS if flags is None else flags)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": it.turns[0]}], add_generation_prompt=True,
-                                             tokenize=True) for it in items]
+                                             tokenize=True) for _, it in items]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
-    bench_of = [it.id.split("/")[0] for it in items]
+    bench_of = [b for b, _ in items]
     variants = {"ar": (None, 1), **{n: ensure_export(p, out_dir, n) for n, p in drafters.items()}}
     by_conc: dict[int, dict] = {c: {} for c in concurrencies}
     outputs: dict[str, dict[int, list[list[int]]]] = {}

@@ -29,7 +29,7 @@ def test_sglang_serves_dspine_equal_to_ar_in_fp32(tmp_path):
     ckpt = save_drafter(perturb_writes(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2),
                                        std=0.05), tmp_path / "dspine")
     path = resolve_target_path(spec)
-    items = load_benchmark("gsm8k", 3) + load_benchmark("mt_bench", 3)
+    items = [(b, it) for b in ("gsm8k", "mt_bench") for it in load_benchmark(b, 3)]
     doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), {"dspine": str(ckpt)}, items, [1, 4], 32,
                        tmp_path, dtype="float32", progress=False)
     for c in ("1", "4"):
