@@ -46,13 +46,14 @@ def sglang_version() -> str:
 def ensure_export(path: str, out_dir: Path, name: str) -> tuple[str, int]:
     """A drafter folder -> (a folder SGLang loads, its block size): used as is when it validates as an SGLang
     export, else exported (bf16) under out_dir/exports/NAME."""
-    from .export import ExportError, export_sglang, validate_sglang_export
+    from .checkpoint import CheckpointError
+    from .export import export_sglang, validate_sglang_export
 
     block = int(json.loads((Path(path) / "config.json").read_text())["block_size"])
     try:
         validate_sglang_export(path)
         return str(path), block
-    except ExportError:
+    except CheckpointError:  # not an export (a dspine checkpoint, or a dflash one under dspine's architecture)
         return export_sglang(path, out_dir / "exports" / name)["path"], block
 
 
