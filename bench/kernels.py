@@ -1,8 +1,10 @@
 """Kernel benchmark (CUDA): fused Triton kernels vs their eager references at the real target's sizes.
 
-Per speculative round at concurrency N: the injection over all drafter layers (kernels/injection.py vs
-dspine.drafter.Injection) and the transition cache + greedy walk (kernels/transition.py vs
-dspine.decoding.transition_scores + walk_greedy). CUDA-event timing, median of repeated runs after warm-up.
+Per speculative round at concurrency N: the injection over all drafter layers (kernels/injection.py, both
+layouts "rows" and "split", vs dspine.drafter.Injection) and the transition cache + greedy walk
+(kernels/transition.py vs dspine.decoding.transition_scores + walk_greedy). CUDA-event timing, median of
+repeated runs after warm-up, launched from Python ("launch") and replayed from a captured CUDA graph
+("graph", as inside SGLang's draft graph, where launch overhead is gone).
     python bench/kernels.py --out $OUT/kernels.json
 Prints a table; writes JSON with the git sha, command and hardware.
 """
@@ -38,6 +40,20 @@ def timed(fn, reps: int = 50) -> float:
     return statistics.median(out)
 
 
+def graphed(fn):
+    """fn captured once into a CUDA graph -> a replay function (SGLang runs the draft step this way)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=5)
@@ -66,21 +82,26 @@ def main() -> int:
             h_pre = torch.randn(N, B, d, device="cuda", dtype=dtype)
             f = torch.randn(N, B, r, device="cuda", dtype=dtype)
             cand = torch.randint(0, V, (N, B - 1, K), device="cuda")
+            variants = {"eager": lambda: [inj(h, anc) for inj in injs],
+                        "rows": lambda: [fused_injection(inj, h, anc, variant="rows") for inj in injs],
+                        "split": lambda: [fused_injection(inj, h, anc, variant="split") for inj in injs],
+                        "transition_eager": lambda: walk_greedy(cand, transition_scores(injs[-1], norm, head, codes,
+                                                                                        h_pre, f, cand)),
+                        "transition_fused": lambda: fused_walk_greedy(cand, fused_transition_scores(
+                            injs[-1], norm, head, codes, h_pre, f, cand))}
+            row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers}
             with torch.no_grad():
-                inj_eager = timed(lambda: [inj(h, anc) for inj in injs])
-                inj_fused = timed(lambda: [fused_injection(inj, h, anc) for inj in injs])
-                tr_eager = timed(lambda: walk_greedy(cand, transition_scores(injs[-1], norm, head, codes, h_pre, f, cand)))
-                tr_fused = timed(lambda: fused_walk_greedy(cand, fused_transition_scores(injs[-1], norm, head, codes,
-                                                                                         h_pre, f, cand)))
-            rows.append({"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers,
-                         "injection_eager_ms": inj_eager, "injection_fused_ms": inj_fused,
-                         "transition_walk_eager_ms": tr_eager, "transition_walk_fused_ms": tr_fused})
-    print("| dtype | batch | injection eager ms | fused ms | × | transition+walk eager ms | fused ms | × |")
-    print("|---|---|---|---|---|---|---|---|")
+                for name, fn in variants.items():
+                    row[f"{name}_launch_ms"] = timed(fn)
+                    row[f"{name}_graph_ms"] = timed(graphed(fn))
+            rows.append(row)
+    cols = [*(f"{n}_{m}_ms" for n in ("eager", "rows", "split") for m in ("launch", "graph")),
+            "transition_eager_launch_ms", "transition_eager_graph_ms", "transition_fused_launch_ms",
+            "transition_fused_graph_ms"]
+    print("| dtype | batch | " + " | ".join(c[:-3].replace("_", " ") for c in cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
     for x in rows:
-        print(f"| {x['dtype']} | {x['batch']} | {x['injection_eager_ms']:.3f} | {x['injection_fused_ms']:.3f} | "
-              f"{x['injection_eager_ms'] / x['injection_fused_ms']:.1f} | {x['transition_walk_eager_ms']:.3f} | "
-              f"{x['transition_walk_fused_ms']:.3f} | {x['transition_walk_eager_ms'] / x['transition_walk_fused_ms']:.1f} |")
+        print(f"| {x['dtype']} | {x['batch']} | " + " | ".join(f"{x[c]:.3f}" for c in cols) + " |")
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": rows, "git_sha": git_sha(), "hardware": hardware(),
                                            "command": " ".join(sys.argv), "torch": torch.__version__}, indent=1))

@@ -17,7 +17,7 @@ if not CUDA:
 from dspine.decoding import transition_scores, walk_greedy, walk_sample  # noqa: E402
 from dspine.drafter import Injection, RMSNorm  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
-from kernels.injection import fused_injection  # noqa: E402
+from kernels.injection import fused_injection, injection_variant  # noqa: E402
 from kernels.transition import fused_transition_scores, fused_walk_greedy, fused_walk_sample  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -40,9 +40,10 @@ def _close(got, ref, dtype):
     return (got.float() - ref.float()).abs().max().item() <= TOL[dtype] * max(scale, 1.0)
 
 
+@pytest.mark.parametrize("variant", ["rows", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fused_injection_matches_reference(shape, dtype):
+def test_fused_injection_matches_reference(shape, dtype, variant):
     N, B, K, d, r, s = shape
     inj = _inj(d, r, s, dtype, N)
     nb = 2 if N < 4 else 1
@@ -50,9 +51,16 @@ def test_fused_injection_matches_reference(shape, dtype):
     anchor = torch.randn(N, nb, r, device=DEV).to(dtype)
     with torch.no_grad():
         ref_h, ref_f = inj(h, anchor)
-        got_h, got_f = fused_injection(inj, h, anchor)
+        got_h, got_f = fused_injection(inj, h, anchor, variant=variant)
     assert _close(got_h, ref_h, dtype) and _close(got_f, ref_f, dtype)
     assert torch.equal(got_h[:, :, 0], h[:, :, 0])  # the anchor slot is never written
+
+
+def test_injection_variant_is_checked(monkeypatch):
+    assert injection_variant() == "rows" and injection_variant("split") == "split"
+    monkeypatch.setenv("DSPINE_INJECTION", "fast")
+    with pytest.raises(ValueError, match="DSPINE_INJECTION"):
+        injection_variant()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
