@@ -156,6 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                          "triton attention, torch sampling, no radix cache, decode CUDA graphs up to batch 32, "
                          "no prefill CUDA graph)")
     bn.add_argument("--out", help="JSON file to write (a .md table beside it; SGLang logs in its folder)")
+    bn.add_argument("--engine-agreement", type=int, default=0, metavar="WORKERS",
+                    help="sglang: afterwards decode the same items (T=0) with dspine's engine in WORKERS processes on "
+                         "--device/--dtype and report τ per benchmark from both, and their ratio (default: off)")
     bn.add_argument("--summary", help="sglang: summary.json whose `speed` section is rewritten "
                                       "(needs drafters named dspine and dflash)")
     bn.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -173,6 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=10, help="items per benchmark (default: %(default)s)")
     e.add_argument("--temperatures", default="0,1", help="comma-separated (default: %(default)s)")
     e.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default: %(default)s)")
+    e.add_argument("--turns", type=int, default=None,
+                   help="ask at most this many turns of multi-turn items (default: all; 1 matches a single-turn "
+                        "server benchmark such as `dspine bench --backend sglang`)")
     e.add_argument("--out", required=True, help="JSON file to write (a .md table is written beside it)")
     e.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     e.add_argument("--workers", type=int, default=1,
@@ -426,7 +432,7 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], flags: list[str]
     from workloads import load_benchmark
 
     from .recipe import update_summary
-    from .sglang_bench import sglang_bench, speed_section
+    from .sglang_bench import engine_agreement, sglang_bench, speed_section
     from .target import resolve_target_path
 
     try:
@@ -444,6 +450,14 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], flags: list[str]
     items = [(b, it) for b in benches for it in load_benchmark(b, a.limit)]
     doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), specs, items, conc, a.max_new_tokens, out_dir,
                        dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress)
+    if a.engine_agreement:
+        from .evaluate import evaluate
+
+        target, drafters = _load_models(a, specs)
+        ev = evaluate(target, drafters, benches, a.limit, [0.0], a.max_new_tokens, progress=not a.no_progress,
+                      workers=a.engine_agreement, target_spec=(a.target, a.dtype, a.device), drafter_paths=specs,
+                      max_turns=1)
+        doc["engine_agreement"] = engine_agreement(doc, ev)
     if a.summary:
         kernels = json.loads(Path(a.summary).read_text()).get("kernels") if Path(a.summary).is_file() else None
         update_summary(a.summary, "speed", speed_section(doc, kernels))
@@ -461,13 +475,16 @@ def cmd_eval(a) -> int:
         raise UsageError("temperatures must be >= 0, --limit and --max-new-tokens positive")
     if a.workers < 1:
         raise UsageError("--workers must be >= 1")
+    if a.turns is not None and a.turns < 1:
+        raise UsageError("--turns must be >= 1")
     specs = _drafter_specs(a.drafter)
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.access(out_dir if os.path.isdir(out_dir) else os.path.dirname(out_dir), os.W_OK):
         raise UsageError(f"cannot write {a.out}")
     target, drafters = _load_models(a, specs)
     doc = evaluate(target, drafters, benches, a.limit, temps, a.max_new_tokens, progress=not a.no_progress,
-                   workers=a.workers, target_spec=(a.target, a.dtype, a.device), drafter_paths=specs)
+                   workers=a.workers, target_spec=(a.target, a.dtype, a.device), drafter_paths=specs,
+                   max_turns=a.turns)
     write_results(doc, a.out)
     print(markdown_table(doc))
     return 0

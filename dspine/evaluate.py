@@ -81,16 +81,21 @@ def eval_item(engines: dict, item, temperatures: list[float], max_new_tokens: in
 
 def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperatures: list[float],
              max_new_tokens: int, seed: int = 0, progress: bool = True, workers: int = 1,
-             target_spec: tuple | None = None, drafter_paths: dict | None = None) -> dict:
+             target_spec: tuple | None = None, drafter_paths: dict | None = None,
+             max_turns: int | None = None) -> dict:
     """drafters: name -> DSpineDraftModel. Returns {"results": {bench: {"T0": {method: {...}}}}, ...}.
 
     workers > 1 runs items in that many processes (the engine is batch-1 and launch-bound, so on a GPU
     several processes share it well); they rebuild the models from `target_spec` = (spec, dtype, device)
-    and `drafter_paths` (name -> checkpoint folder). Results are identical to workers=1.
+    and `drafter_paths` (name -> checkpoint folder). Results are identical to workers=1. `max_turns` asks
+    only the first turns of multi-turn items (MT-Bench) — what a single-turn server benchmark sends.
     """
+    import dataclasses
+
     from tqdm.auto import tqdm
 
-    units = [(b, i, it) for b in benchmarks for i, it in enumerate(load_benchmark(b, limit))]
+    units = [(b, i, dataclasses.replace(it, turns=it.turns[:max_turns]) if max_turns else it)
+             for b in benchmarks for i, it in enumerate(load_benchmark(b, limit))]
     per_item: dict = {}
     bar = tqdm(total=len(units), desc="eval", disable=not progress)
     if workers <= 1:
@@ -132,7 +137,7 @@ def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperat
     return {"results": results, "means": benchmark_means(results), "git_sha": git_sha(), "hardware": hardware(),
             "command": " ".join(sys.argv), "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
             "limit": limit, "max_new_tokens": max_new_tokens, "target": target.name,
-            "dtype": str(target.dtype).replace("torch.", ""), "workers": workers}
+            "dtype": str(target.dtype).replace("torch.", ""), "workers": workers, "max_turns": max_turns}
 
 
 _ENGINES: dict = {}

@@ -186,6 +186,19 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
             "command": " ".join(sys.argv)}
 
 
+def engine_agreement(doc: dict, eval_doc: dict) -> dict:
+    """τ per benchmark at concurrency 1 from SGLang beside `dspine eval` (T=0, first turns) on the same items:
+    {drafter: {benchmark: {sglang, engine, ratio}}, max_rel_diff per drafter}."""
+    out = {}
+    for name, per in doc["tau_per_benchmark_c1"].items():
+        rows = {b: {"sglang": t, "engine": eval_doc["results"][b]["T0"][name]["tau_mean"]} for b, t in per.items()}
+        for r in rows.values():
+            r["ratio"] = r["sglang"] / r["engine"]
+        out[name] = {"per_benchmark": rows, "max_rel_diff": max(abs(r["ratio"] - 1) for r in rows.values()),
+                     "engine_dtype": eval_doc["dtype"]}
+    return out
+
+
 def speed_section(doc: dict, kernels: dict | None, dspine: str = "dspine", dflash: str = "dflash") -> dict:
     """summary.json's `speed` section from an SGLang bench document (and the kernel bench for the injection
     and transition figures per round)."""

@@ -129,3 +129,16 @@ def test_tiny_recipe_end_to_end(tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["acceptance"]["T0"]["ar"] == 1.0 and set(s["acceptance"]["T0"]) == {"ar", "dflash", "post_backbone", "dspine"}
     assert s["load"] == {"clients": 1} and (tmp_path / "acc.md").is_file()
+
+
+def test_eval_first_turns_only(smollm2):
+    """`--turns 1` asks MT-Bench's first turn only, as a single-turn server benchmark does."""
+    from dspine.drafter import DSpineDraftModel
+    from dspine.evaluate import evaluate
+
+    d = DSpineDraftModel.for_target(smollm2, method="dspine", num_hidden_layers=1)
+    both = evaluate(smollm2, {"d": d}, ["mt_bench"], 1, [0.0], 8, progress=False)
+    first = evaluate(smollm2, {"d": d}, ["mt_bench"], 1, [0.0], 8, progress=False, max_turns=1)
+    tok = lambda doc, m: doc["results"]["mt_bench"]["T0"][m]["tokens"]  # noqa: E731
+    assert tok(first, "ar") == tok(first, "d") == 8 and tok(both, "ar") == 16
+    assert first["max_turns"] == 1 and first["results"]["mt_bench"]["T0"]["d"]["exact_match_with_ar"] == "1/1"
