@@ -9,6 +9,8 @@ set at each concurrency through `/generate` (token ids in, so every backend sees
   definition (stats.tau_of), per benchmark at concurrency 1 — comparable with `dspine eval` on the same items;
 - round cost at concurrency 1: (latency − prefill) / verify rounds, against the AR step (latency − prefill) /
   (tokens − 1) of the AR server;
+- the round split into draft forward (drafter layers, injection and proposal: one CUDA graph), target verify
+  and glue, from CUDA events inside SGLang (the plugin's timing hooks, DSPINE_SGLANG_TIMING), at concurrency 1;
 - greedy outputs: the match rate of each server and concurrency with AR at concurrency 1, AR's own rate
   beside it (bf16 near-ties flip between batch shapes; SGLang's own variance is the yardstick).
 """
@@ -16,6 +18,7 @@ set at each concurrency through `/generate` (token ids in, so every backend sees
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -61,7 +64,7 @@ class SGLangServer:
     """One `sglang.launch_server` child on 127.0.0.1; its log goes to `log_path`."""
 
     def __init__(self, target_path: str, draft: str | None, block_size: int, flags: list[str], dtype: str,
-                 log_path: Path, timeout: float = 600):
+                 log_path: Path, timeout: float = 600, env: dict | None = None):
         self.port = free_port()
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target_path, "--host", "127.0.0.1",
                "--port", str(self.port), "--dtype", dtype, *flags]
@@ -72,7 +75,8 @@ class SGLangServer:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "wb")
         t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self.base = f"http://127.0.0.1:{self.port}"
         try:
             wait_http(self.base + "/health_generate", self.proc, timeout)
@@ -136,7 +140,10 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
     servers = {}
     bar = tqdm(total=len(variants) * (1 + len(concurrencies)), desc="sglang bench", disable=not progress)
     for name, (draft, bsz) in variants.items():
-        srv = SGLangServer(target_path, draft, bsz, flags, dtype, out_dir / "logs" / f"{name}.log")
+        timing = out_dir / "timing" / f"{name}.json"
+        timing.unlink(missing_ok=True)
+        srv = SGLangServer(target_path, draft, bsz, flags, dtype, out_dir / "logs" / f"{name}.log",
+                           env={"DSPINE_SGLANG_TIMING": str(timing)} if draft else None)
         try:
             prefill = [d["latency_s"] for d in _run_set(srv, prompts, 1, 1, temperature)[0]]
             bar.update(1)
@@ -157,6 +164,10 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
                     if draft:
                         rounds = [max(1, d["meta_info"]["spec_verify_ct"]) for d in docs]
                         row["round_ms"] = 1000 * sum(decode) / sum(rounds)
+                        if timing.is_file():  # CUDA-event split from inside SGLang (plugin timing.py)
+                            t = json.loads(timing.read_text())
+                            row["phase_ms_per_round"] = {k: t[f"{k}_ms"] for k in ("draft", "verify", "glue")}
+                            row["timed_rounds"] = t["rounds"]
                         per_bench[name] = {}
                         for b in dict.fromkeys(bench_of):
                             t = [x for x, bb in zip(taus, bench_of) if bb == b]

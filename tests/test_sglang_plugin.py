@@ -105,3 +105,13 @@ def test_flat_layout_forward_and_proposal_match_dspine(method):
     # the eager path SGLang takes without a draft CUDA graph gives the same tokens
     eager = propose_from_state(model, d.norm(h).view(N, B, -1)[:, 1:], d.head)
     assert torch.equal(eager.view(N, B - 1), want)
+
+
+def test_round_timing_file(tmp_path):
+    """The timing file SGLang's servers write (read by `dspine bench --backend sglang`): per-round means."""
+    from dspine.sglang_plugin.timing import write_means
+
+    doc = write_means(tmp_path / "t" / "dspine.json", {"rounds": 4, "round": 16.0, "draft": 6.0, "verify": 8.0})
+    assert doc == json.loads((tmp_path / "t" / "dspine.json").read_text())
+    assert doc["round_ms"] == 4.0 and doc["draft_ms"] == 1.5 and doc["verify_ms"] == 2.0 and doc["glue_ms"] == 0.5
+    assert [p.name for p in (tmp_path / "t").iterdir()] == ["dspine.json"]  # no temp file left behind

@@ -21,6 +21,9 @@ masses, accepted with probability p(x) and resampled from norm(max(0, p − δ_x
 deterministic proposal such as the greedy walk. The sampled walk with its proposal q (dspine.decoding) needs a
 verifier that takes q: 0.5.23's DFlash2 candidate-selector contract is where it goes.
 
+With DSPINE_SGLANG_TIMING=FILE, timing.py also times every decode round, its draft forward and its target
+verify with CUDA events (`dspine bench --backend sglang` sets it and reports the split).
+
 Version-specific names live in `SGLANG_TARGETS` here and in the model module; dspine/sglang_compat.py lists
 them for the CI check against the 0.5.17 and 0.5.23 wheels.
 """
@@ -28,12 +31,17 @@ them for the CI check against the 0.5.17 and 0.5.23 wheels.
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
 WORKER = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"
 SGLANG_TARGETS = {"build_sampler": f"{WORKER}._maybe_build_draft_sampler",
-                  "eager_sample": f"{WORKER}._greedy_sample_from_vocab_parallel_head"}
+                  "eager_sample": f"{WORKER}._greedy_sample_from_vocab_parallel_head",
+                  # timing only (DSPINE_SGLANG_TIMING): the round, the draft runner's forward, the target verify
+                  "round": f"{WORKER}.forward_batch_generation",
+                  "runner_forward": "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+                  "target_forward": "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"}
 
 
 def _is_dspine(worker) -> bool:
@@ -75,3 +83,11 @@ def register() -> None:
     ModelRegistry.register("dspine.sglang_plugin.models", overwrite=True, strict=True)
     HookRegistry.register(SGLANG_TARGETS["build_sampler"], _build_sampler, HookType.AROUND)
     HookRegistry.register(SGLANG_TARGETS["eager_sample"], _eager_sample, HookType.AROUND)
+    path = os.environ.get("DSPINE_SGLANG_TIMING")
+    if path:
+        from .timing import RoundTimer
+
+        timer = RoundTimer(path)
+        HookRegistry.register(SGLANG_TARGETS["round"], timer.round, HookType.AROUND)
+        HookRegistry.register(SGLANG_TARGETS["runner_forward"], timer.draft, HookType.AROUND)
+        HookRegistry.register(SGLANG_TARGETS["target_forward"], timer.verify, HookType.AROUND)
