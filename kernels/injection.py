@@ -14,9 +14,10 @@ weights' dtype with fp32 accumulation; fp32 uses IEEE dots (parity with the refe
 Two layouts, chosen by `variant` (default: DSPINE_INJECTION, else "rows"):
 - "rows": the single kernel above; one program per 16 rows, so at batch 1 (16 rows) one SM streams all of
   the layer's weights (~1 MB in bf16) — measured 0.12 ms per layer on the H200.
-- "split": three kernels whose grids also tile the output dimension — readout (rows × r-tiles), gate ⊙
-  message (rows × s-tiles, predecessors read from the stored readouts) and write-back (rows × d-tiles) — so
-  every weight tile is read by one program and the layer spreads over ~30 SMs at batch 1.
+- "split": three launches whose grids also tile the output dimension — readout (rows × r-tiles), gate ⊙
+  message (rows × s-tiles, predecessors read from the stored readouts) and write-back (rows × d-tiles; the
+  readout and write-back share one row-tiled linear kernel) — so every weight tile is read by one program
+  and the layer spreads over ~34 programs at batch 1.
 """
 
 from __future__ import annotations
@@ -105,23 +106,32 @@ def _split_kernels():
     import triton.language as tl
 
     @triton.jit
-    def readout_kernel(H, F, WR, BR, n_rows, eps, D: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    def rows_linear_kernel(X, W, BIAS, RES, OUT, n_rows, B, eps, IN: tl.constexpr, N: tl.constexpr,
+                           READOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        # OUT[rows, n-tile] = X W^T, then READOUT: × rms(X)^-1 + bias (f = R·rms(h) + b), else the write-back:
+        # RES + (slot >= 1) · X W^T (h += W (gate ⊙ message))
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        dd = tl.arange(0, BLOCK_D)
-        live, r_ok = rows < n_rows, rr < R
-        wdt = tl.float32 if DOT_F32 else WR.dtype.element_ty
-        acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+        nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        live, n_ok = rows < n_rows, nn < N
+        wdt = tl.float32 if DOT_F32 else W.dtype.element_ty
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         sq = tl.zeros((BLOCK_M,), tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d_ok = (d0 + dd) < D
-            x = tl.load(H + rows[:, None] * D + d0 + dd[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
-            wr = tl.load(WR + rr[None, :] * D + d0 + dd[:, None], mask=r_ok[None, :] & d_ok[:, None], other=0.0).to(wdt)
-            acc += tl.dot(x.to(wdt), wr, input_precision=PREC)
-            sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
-        f = acc * tl.rsqrt(sq / D + eps)[:, None] + tl.load(BR + rr, mask=r_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(F + rows[:, None] * R + rr[None, :], f.to(F.dtype.element_ty), mask=live[:, None] & r_ok[None, :])
+        for k0 in range(0, IN, BLOCK_K):
+            k_ok = (k0 + kk) < IN
+            x = tl.load(X + rows[:, None] * IN + k0 + kk[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(W + nn[None, :] * IN + k0 + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0).to(wdt)
+            acc += tl.dot(x.to(wdt), w, input_precision=PREC)
+            if READOUT:
+                sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+        out_mask = live[:, None] & n_ok[None, :]
+        if READOUT:
+            y = acc * tl.rsqrt(sq / IN + eps)[:, None] + tl.load(BIAS + nn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            res = tl.load(RES + rows[:, None] * N + nn[None, :], mask=out_mask, other=0.0).to(tl.float32)
+            y = res + tl.where((live & (rows % B >= 1))[:, None], acc, 0.0)
+        tl.store(OUT + rows[:, None] * N + nn[None, :], y.to(OUT.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def message_kernel(F, ANC, MSG, WA, BA, WP, WM, n_rows, B, R: tl.constexpr, S: tl.constexpr,
@@ -152,25 +162,7 @@ def _split_kernels():
         g += tl.load(BA + ss, mask=s_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(MSG + rows[:, None] * S + ss[None, :], tl.sigmoid(g) * m, mask=live[:, None] & s_ok[None, :])
 
-    @triton.jit
-    def write_kernel(H, OUT, MSG, WW, n_rows, B, D: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        sc = tl.arange(0, BLOCK_S)
-        live, d_ok = rows < n_rows, dd < D
-        wdt = tl.float32 if DOT_F32 else WW.dtype.element_ty
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for s0 in range(0, S, BLOCK_S):
-            s_ok = (s0 + sc) < S
-            m = tl.load(MSG + rows[:, None] * S + s0 + sc[None, :], mask=live[:, None] & s_ok[None, :], other=0.0)
-            ww = tl.load(WW + dd[None, :] * S + s0 + sc[:, None], mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(wdt)
-            acc += tl.dot(m.to(wdt), ww, input_precision=PREC)
-        x = tl.load(H + rows[:, None] * D + dd[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
-        y = x.to(tl.float32) + tl.where((live & (rows % B >= 1))[:, None], acc, 0.0)
-        tl.store(OUT + rows[:, None] * D + dd[None, :], y.to(OUT.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
-
-    return readout_kernel, message_kernel, write_kernel
+    return rows_linear_kernel, message_kernel
 
 
 VARIANTS = ("rows", "split")
@@ -206,16 +198,16 @@ def fused_injection(inj, h: torch.Tensor, anchor_code: torch.Tensor,
     eps = float(torch.finfo(h.dtype).eps)
     prec = dict(PREC="ieee" if h.dtype == torch.float32 else "tf32", DOT_F32=h.dtype == torch.float32 or interpreting())
     if injection_variant(variant) == "split":
-        readout, message, write = _split_kernels()
-        BM, BR, BS, BD = 16, 32, 32, 32
+        linear, message = _split_kernels()
+        BM, BN, BS = 16, 32, 32
         rows = triton_cdiv(n_rows, BM)
-        readout[(rows, triton_cdiv(R, BR))](h, f, inj.readout.weight, inj.readout.bias, n_rows, eps, D=D, R=R,
-                                            BLOCK_M=BM, BLOCK_D=64, BLOCK_R=BR, **prec)
+        linear[(rows, triton_cdiv(R, BN))](h, inj.readout.weight, inj.readout.bias, h, f, n_rows, B, eps, IN=D, N=R,
+                                           READOUT=True, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, **prec)
         message[(rows, triton_cdiv(S, BS))](f, anc, msg, inj.gate_f.weight, inj.gate_f.bias, inj.gate_p.weight,
                                             inj.message.weight, n_rows, B, R=R, S=S, BLOCK_M=BM, BLOCK_R=32,
                                             BLOCK_S=BS, **prec)
-        write[(rows, triton_cdiv(D, BD))](h, out, msg, inj.write.weight, n_rows, B, D=D, S=S, BLOCK_M=BM,
-                                          BLOCK_D=BD, BLOCK_S=32, **prec)
+        linear[(rows, triton_cdiv(D, BN))](msg, inj.write.weight, inj.write.weight, h, out, n_rows, B, eps, IN=S, N=D,
+                                           READOUT=False, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=32, **prec)
         return out, f
     BLOCK_M = 16
     _kernel()[(triton_cdiv(n_rows, BLOCK_M),)](
