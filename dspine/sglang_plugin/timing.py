@@ -31,15 +31,16 @@ class RoundTimer:
         e.record()
         return e
 
-    def round(self, original, worker, batch, *args, **kwargs):
+    def round(self, original, worker, *args, **kwargs):
         global _ACTIVE
+        batch = args[0] if args else kwargs.get("batch")
         mode = getattr(batch, "forward_mode", None)
         if mode is None or mode.is_extend() or getattr(batch, "is_extend_in_batch", False) or mode.is_idle():
-            return original(worker, batch, *args, **kwargs)
+            return original(worker, *args, **kwargs)
         ev = {"start": self._event()}
         _ACTIVE = {"worker": worker, "events": ev}
         try:
-            out = original(worker, batch, *args, **kwargs)
+            out = original(worker, *args, **kwargs)
         finally:
             _ACTIVE = None
         ev["end"] = self._event()
