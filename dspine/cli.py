@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="sglang: serving dtype (default: %(default)s)")
     bn.add_argument("--sglang-flags", default=None,
                     help="sglang: launch_server flags for every server, one string (default: "
-                         "triton attention, torch sampling, no radix cache, decode CUDA graphs up to batch 32, "
+                         "triton attention, torch sampling, no radix cache, decode CUDA graphs for batch 1, 2, 4, ..., 32, "
                          "no prefill CUDA graph)")
     bn.add_argument("--out", help="JSON file to write (a .md table beside it; SGLang logs in its folder)")
     bn.add_argument("--engine-agreement", type=int, default=0, metavar="WORKERS",
