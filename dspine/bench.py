@@ -2,8 +2,8 @@
 time of a speculative round split into its phases (draft forward incl. injection, propose = transition
 cache + walk, target verify, commit) from device-synchronised timing. AR always runs in the same call.
 
-The engine decodes one request at a time, so concurrency is 1 here; `--backend sglang` (sglang_bench.py)
-gives the same table at concurrency 1 and a throughput table over its concurrencies.
+At concurrency c > 1 the engine decodes groups of c requests together (engine.generate_batch) and reports
+throughput and τ; `--backend sglang` (sglang_bench.py) gives the same tables from SGLang servers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 from workloads import load_benchmark
 
-from .engine import Engine
+from .engine import Engine, generate_batch
 from .evaluate import git_sha, hardware
 from .sampling import SamplingParams
 from .stats import summarize
@@ -22,13 +22,16 @@ PHASES = ("draft", "propose", "verify", "commit")
 
 
 def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_new_tokens: int,
-                 temperature: float = 0.0, progress: bool = True) -> dict:
+                 temperature: float = 0.0, progress: bool = True, concurrencies: list[int] | None = None) -> dict:
+    """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: the items in groups of c, each
+    group decoded together (engine.generate_batch), throughput and τ only."""
     from tqdm.auto import tqdm
 
     items = [(b, it) for b in benchmarks for it in load_benchmark(b, limit)]
     engines = {"ar": Engine(target), **{n: Engine(target, d) for n, d in drafters.items()}}
     rows, tau_bench = {}, {}
-    bar = tqdm(total=len(items) * len(engines), desc="bench", disable=not progress)
+    batched = [c for c in (concurrencies or [1]) if c > 1]
+    bar = tqdm(total=len(items) * len(engines) * (1 + len(batched)), desc="bench", disable=not progress)
     for name, eng in engines.items():
         totals: dict[str, float] = {}
         stats, tokens, t0, per_bench = [], 0, time.perf_counter(), {}
@@ -55,13 +58,32 @@ def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_
             row["round_ms"] = sum(row["phase_ms_per_round"].values())
             tau_bench[name] = {b: sum(t) / len(t) for b, t in per_bench.items()}
         rows[name] = row
+    by_conc = {"1": rows}
+    for c in batched:
+        by_conc[str(c)] = {}
+        for name, eng in engines.items():
+            t0, results = time.perf_counter(), []
+            for g in range(0, len(items), c):
+                results += generate_batch(eng, [it.turns[0] for _, it in items[g:g + c]],
+                                          SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=g))
+                bar.update(len(items[g:g + c]))
+            secs = time.perf_counter() - t0
+            tokens = sum(r.completion_tokens for r in results)
+            row = {"requests": len(items), "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
+            if name != "ar":
+                s = summarize([r.stats for r in results])
+                row.update(tau_mean=s["tau_mean"], tau_pooled=s["tau_pooled"], rounds=s["rounds"])
+            by_conc[str(c)][name] = row
     bar.close()
+    for crows in by_conc.values():
+        for name, row in crows.items():
+            row["speedup_vs_ar"] = row["tokens_per_s"] / crows["ar"]["tokens_per_s"]
     ar = rows["ar"]
     for name, row in rows.items():
-        row["speedup_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"]
         if name != "ar" and ar["ar_step_ms"]:
             row["round_over_ar_step"] = row["round_ms"] / ar["ar_step_ms"]
-    return {"backend": "engine", "concurrency": 1, "rows": rows, "tau_per_benchmark_c1": tau_bench,
+    return {"backend": "engine", "concurrency": 1, "rows": rows, "by_concurrency": by_conc if batched else None,
+            "tau_per_benchmark_c1": tau_bench,
             "benchmarks": benchmarks, "limit": limit,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "target": target.name,
             "dtype": str(target.dtype).replace("torch.", ""), "git_sha": git_sha(), "hardware": hardware(),

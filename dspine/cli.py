@@ -147,8 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     bn.add_argument("--benchmarks", default="gsm8k,mt_bench", help="comma-separated (default: %(default)s)")
     bn.add_argument("--limit", type=int, default=4, help="items per benchmark (default: %(default)s)")
     bn.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    bn.add_argument("--concurrency", default="1,4,16,32",
-                    help="sglang: comma-separated client concurrencies (default: %(default)s)")
+    bn.add_argument("--concurrency", default=None,
+                    help="comma-separated concurrencies (default: 1,4,16,32 for sglang, 1 for the engine, which "
+                         "decodes groups of c requests together)")
     bn.add_argument("--sglang-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="sglang: serving dtype (default: %(default)s)")
     bn.add_argument("--sglang-flags", default=None,
@@ -409,11 +410,13 @@ def cmd_bench(a) -> int:
     if a.limit <= 0 or a.max_new_tokens <= 0:
         raise UsageError("--limit and --max-new-tokens must be positive")
     specs = _drafter_specs(a.drafter)
+    conc = _concurrencies(a.concurrency or ("1,4,16,32" if a.backend == "sglang" else "1"))
     if a.backend == "sglang":
-        doc = _bench_sglang(a, benches, specs, shlex.split(a.sglang_flags) if a.sglang_flags is not None else None)
+        doc = _bench_sglang(a, benches, specs, conc, shlex.split(a.sglang_flags) if a.sglang_flags is not None else None)
     else:
         target, drafters = _load_models(a, specs)
-        doc = engine_bench(target, drafters, benches, a.limit, a.max_new_tokens, progress=not a.no_progress)
+        doc = engine_bench(target, drafters, benches, a.limit, a.max_new_tokens, progress=not a.no_progress,
+                           concurrencies=conc)
     table = bench_table(doc)
     if a.out:
         atomic_write_text(Path(a.out), json.dumps(doc, indent=1) + "\n")
@@ -422,7 +425,17 @@ def cmd_bench(a) -> int:
     return 0
 
 
-def _bench_sglang(a, benches: list[str], specs: dict[str, str], flags: list[str] | None) -> dict:
+def _concurrencies(text: str) -> list[int]:
+    try:
+        conc = sorted({int(c) for c in text.split(",")})
+    except ValueError:
+        raise UsageError(f"--concurrency {text!r} is not a comma-separated list of integers") from None
+    if conc[0] < 1:
+        raise UsageError("--concurrency values must be >= 1")
+    return conc
+
+
+def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int], flags: list[str] | None) -> dict:
     import importlib.util
     import tempfile
     from pathlib import Path
@@ -435,12 +448,6 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], flags: list[str]
     from .sglang_bench import engine_agreement, sglang_bench, speed_section
     from .target import resolve_target_path
 
-    try:
-        conc = sorted({int(c) for c in a.concurrency.split(",")})
-    except ValueError:
-        raise UsageError(f"--concurrency {a.concurrency!r} is not a comma-separated list of integers") from None
-    if not conc or conc[0] < 1:
-        raise UsageError("--concurrency values must be >= 1")
     if a.summary and not {"dspine", "dflash"} <= set(specs):
         raise UsageError("--summary needs drafters named dspine and dflash (--drafter dspine=... --drafter dflash=...)")
     if importlib.util.find_spec("sglang") is None:

@@ -225,6 +225,87 @@ class Engine:
 
 
 @torch.no_grad()
+def generate_batch(engine: Engine, prompts: list, params: SamplingParams | None = None) -> list[GenerationResult]:
+    """Decode several requests together (one target forward and one drafter forward per round for all rows).
+
+    Rows advance by different amounts, so nothing is cropped: each row's target KV cache and drafter context
+    keep every position they were fed, and a validity mask (N, positions) hides what a row did not commit
+    (prompt padding, rejected drafts); positions are passed explicitly (committed tokens so far). A row that
+    has finished keeps riding along until all have; its tokens are not recorded. One SamplingParams (and one
+    generator) for the batch.
+    """
+    params = (params or SamplingParams()).validate()
+    tgt, dev, drafter = engine.target, engine.target.device, engine.drafter
+    ids = [engine.prompt_ids(p) for p in prompts]
+    N, lens = len(ids), [len(x) for x in ids]
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    t0 = time.perf_counter()
+    layer_ids = drafter.config.target_layer_ids if drafter is not None else None
+    B = drafter.config.block_size if drafter is not None else 1
+    stats = [AcceptanceStats(B) if drafter is not None else None for _ in range(N)]
+    stops = [_Stopper(tgt, params) for _ in range(N)]
+    L = max(lens)
+    inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
+    valid = torch.arange(L, device=dev)[None] < torch.tensor(lens, device=dev)[:, None]  # (N, L)
+    cache = tgt.new_cache()
+    logits, feats = tgt.forward(inp, cache, layer_ids, valid.long(), torch.arange(L, device=dev).expand(N, L))
+    committed = torch.tensor(lens, device=dev)  # tokens each row has in its cache = the anchor's position
+    anchors = [engine._pick(logits[i, n - 1], params, gen) for i, n in enumerate(lens)]
+    done = [stops[i].push(a) for i, a in enumerate(anchors)]
+    ctx = ctx_valid = None
+    if drafter is not None:
+        ctx, ctx_valid = DraftContext(drafter), valid
+        ctx.extend(feats, torch.arange(L, device=dev).expand(N, L))
+    while not all(done):
+        width = B if drafter is not None else 1
+        if int(committed.max()) + width > engine.max_positions:
+            for i in range(N):
+                if not done[i]:
+                    stops[i].finish_reason, done[i] = "length", True
+            break
+        pos = committed[:, None] + torch.arange(width, device=dev)  # (N, width)
+        anchor_t = torch.tensor(anchors, device=dev)[:, None]
+        if drafter is not None:
+            from .drafter import block_attention_mask
+
+            mask = block_attention_mask(ctx_valid[:, None], B, drafter.config.is_causal)
+            out = drafter(drafter.block_inputs(anchor_t, B), pos[:, None], ctx.kv, mask)
+            prop = propose(drafter, out, params, gen)
+            feed = torch.cat([anchor_t, prop.tokens], 1)
+        else:
+            feed = anchor_t
+        logits, feats = tgt.forward(feed, cache, layer_ids, torch.cat([valid, valid.new_ones(N, width)], 1).long(),
+                                    pos)
+        if drafter is not None:
+            n_acc, nxt = verify(prop, logits, params, gen)
+        else:
+            n_acc = torch.zeros(N, dtype=torch.long, device=dev)
+            nxt = torch.tensor([engine._pick(logits[i, -1], params, gen) for i in range(N)], device=dev)
+        kept = torch.arange(width, device=dev)[None] <= n_acc[:, None]  # (N, width): anchor + accepted drafts
+        valid = torch.cat([valid, kept], 1)
+        if drafter is not None:
+            ctx.extend(feats, pos)
+            ctx_valid = torch.cat([ctx_valid, kept], 1)
+        committed = committed + n_acc + 1
+        for i in range(N):
+            if done[i]:
+                continue
+            n = int(n_acc[i])
+            if stats[i] is not None:
+                stats[i].record(n)
+            for tok in (prop.tokens[i, :n].tolist() if drafter is not None else []) + [int(nxt[i])]:
+                if stops[i].push(tok):
+                    done[i] = True
+                    break
+            anchors[i] = int(nxt[i])
+    secs = time.perf_counter() - t0
+    return [GenerationResult(token_ids=s.tokens, text=s.result_text(), finish_reason=s.finish_reason or "length",
+                             prompt_tokens=n, method=engine.method, stats=st, seconds=secs)
+            for s, n, st in zip(stops, lens, stats)]
+
+
+@torch.no_grad()
 def speculative_step(target: Target, drafter: DSpineDraftModel, seqs: torch.Tensor, params: SamplingParams,
                      generator: torch.Generator | None = None, verifier=verify_sampled):
     """One stateless speculative round for N rows of equal length (full recompute, no caches).

@@ -183,14 +183,16 @@ class Target:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache=None, layer_ids: list[int] | None = None,
-                attention_mask: torch.Tensor | None = None):
-        """input_ids (N, n) appended after what `cache` holds.
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
+        """input_ids (N, n) appended after what `cache` holds; attention_mask (N, cached + n) may mask any
+        position (batched decoding masks rejected drafts in place), then position_ids (N, n) are needed.
 
         Returns logits (N, n, V) in fp32 and, when `layer_ids` is given, the concatenated outputs of those
         target layers (N, n, len(layer_ids) * d) — DFlash's context features before its fc.
         """
         out = self.model(input_ids=input_ids, **{self._cache_kw: cache}, use_cache=cache is not None,
-                         output_hidden_states=layer_ids is not None, attention_mask=attention_mask)
+                         output_hidden_states=layer_ids is not None, attention_mask=attention_mask,
+                         position_ids=position_ids)
         feats = None
         if layer_ids is not None:
             hs = out.hidden_states  # [embeddings, layer 0 out, layer 1 out, ...]

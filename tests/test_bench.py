@@ -12,7 +12,7 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     ckpt = save_drafter(DSpineDraftModel.for_target(smollm2, method="dspine", num_hidden_layers=1), tmp_path / "d")
     out = tmp_path / "bench.json"
     assert main(["bench", "--drafter", f"dspine={ckpt}", "--benchmarks", "gsm8k", "--limit", "1",
-                 "--max-new-tokens", "10", "--out", str(out), "--no-progress"]) == 0
+                 "--max-new-tokens", "10", "--out", str(out), "--no-progress", "--concurrency", "1,2"]) == 0
     doc = json.loads(out.read_text())
     ar, ds = doc["rows"]["ar"], doc["rows"]["dspine"]
     assert doc["concurrency"] == 1 and ar["speedup_vs_ar"] == 1.0 and ar["tokens"] == ds["tokens"] == 10
@@ -20,6 +20,9 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     assert all(v > 0 for v in ds["phase_ms_per_round"].values())
     assert ds["round_ms"] * ds["rounds"] / 1000 <= ds["seconds"]  # the phases fit inside the measured time
     assert abs(ds["round_over_ar_step"] - ds["round_ms"] / ar["ar_step_ms"]) < 1e-9
+    # concurrency 2: the batched engine decodes the same tokens (lossless), τ from the same stats type
+    c2 = doc["by_concurrency"]["2"]
+    assert c2["ar"]["tokens"] == c2["dspine"]["tokens"] == 10 and c2["dspine"]["tau_mean"] >= 1.0
     assert "| dspine |" in capsys.readouterr().out and out.with_suffix(".md").is_file()
     # SGLang needs CUDA: here it is absent, which the sglang backend says after checking its own options
     assert main(["bench", "--backend", "sglang", "--concurrency", "1,x"]) == 2
