@@ -235,6 +235,8 @@ def generate_batch(engine: Engine, prompts: list, params: SamplingParams | None 
     generator) for the batch.
     """
     params = (params or SamplingParams()).validate()
+    if not prompts:
+        return []
     tgt, dev, drafter = engine.target, engine.target.device, engine.drafter
     ids = [engine.prompt_ids(p) for p in prompts]
     N, lens = len(ids), [len(x) for x in ids]
