@@ -448,6 +448,8 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
     from .sglang_bench import engine_agreement, sglang_bench, speed_section
     from .target import resolve_target_path
 
+    if 1 not in conc:
+        raise UsageError("--concurrency must include 1: τ per benchmark and the round cost are measured there")
     if a.summary and not {"dspine", "dflash"} <= set(specs):
         raise UsageError("--summary needs drafters named dspine and dflash (--drafter dspine=... --drafter dflash=...)")
     if importlib.util.find_spec("sglang") is None:

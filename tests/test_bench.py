@@ -27,6 +27,8 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     # SGLang needs CUDA: here it is absent, which the sglang backend says after checking its own options
     assert main(["bench", "--backend", "sglang", "--concurrency", "1,x"]) == 2
     assert "--concurrency" in capsys.readouterr().err
+    assert main(["bench", "--backend", "sglang", "--concurrency", "4,16"]) == 2
+    assert "must include 1" in capsys.readouterr().err
     assert main(["bench", "--backend", "sglang", "--summary", str(tmp_path / "s.json")]) == 2
     assert "named dspine and dflash" in capsys.readouterr().err
     assert main(["bench", "--backend", "sglang"]) == 2
