@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--served-model-name", default="dspine", help="the model id clients ask for (default: %(default)s)")
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: context - 1)")
+    s.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together, from those waiting when a batch starts (default: %(default)s)")
 
     px = sub.add_parser("proxy", help="a LiteLLM proxy in front of dspine/SGLang backends, recording acceptance",
                         description="Write a LiteLLM config for the given backends and run the real LiteLLM proxy "
@@ -327,8 +329,10 @@ def cmd_serve(a) -> int:
 
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device) if a.drafter else None
-    serve(Engine(target, drafter), a.host, a.port, ServeConfig(a.served_model_name, a.max_prompt_tokens),
-          drafter_name=a.drafter)
+    if a.max_batch < 1:
+        raise UsageError("--max-batch must be >= 1")
+    cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch)
+    serve(Engine(target, drafter), a.host, a.port, cfg, drafter_name=a.drafter)
     return 0
 
 

@@ -34,6 +34,7 @@ class GenerationResult:
     stats: AcceptanceStats | None = None
     seconds: float = 0.0
     timings: dict = field(default_factory=dict)
+    batch_size: int = 1  # requests decoded together with this one (generate_batch)
 
     @property
     def completion_tokens(self) -> int:
@@ -225,18 +226,25 @@ class Engine:
 
 
 @torch.no_grad()
-def generate_batch(engine: Engine, prompts: list, params: SamplingParams | None = None) -> list[GenerationResult]:
+def generate_batch(engine: Engine, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
+                   on_tokens: list | None = None) -> list[GenerationResult]:
     """Decode several requests together (one target forward and one drafter forward per round for all rows).
 
     Rows advance by different amounts, so nothing is cropped: each row's target KV cache and drafter context
     keep every position they were fed, and a validity mask (N, positions) hides what a row did not commit
     (prompt padding, rejected drafts); positions are passed explicitly (committed tokens so far). A row that
-    has finished keeps riding along until all have; its tokens are not recorded. One SamplingParams (and one
-    generator) for the batch.
+    has finished keeps riding along until all have; its tokens are not recorded. `params` is one
+    SamplingParams or one per row: rows may differ in max_tokens, stop and ignore_eos, not in how tokens are
+    drawn (temperature, top-k, top-p; one generator, seeded from the first row). `on_tokens[i]` sees row i's
+    tokens as they are committed (False aborts that row).
     """
-    params = (params or SamplingParams()).validate()
     if not prompts:
         return []
+    per_row = params if isinstance(params, list) else [params] * len(prompts)
+    rows = [(p or SamplingParams()).validate() for p in per_row]
+    params = rows[0]
+    if any((r.temperature, r.top_k, r.top_p) != (params.temperature, params.top_k, params.top_p) for r in rows):
+        raise ValueError("rows of one batch must share temperature, top_k and top_p")
     tgt, dev, drafter = engine.target, engine.target.device, engine.drafter
     ids = [engine.prompt_ids(p) for p in prompts]
     N, lens = len(ids), [len(x) for x in ids]
@@ -246,7 +254,7 @@ def generate_batch(engine: Engine, prompts: list, params: SamplingParams | None 
     layer_ids = drafter.config.target_layer_ids if drafter is not None else None
     B = drafter.config.block_size if drafter is not None else 1
     stats = [AcceptanceStats(B) if drafter is not None else None for _ in range(N)]
-    stops = [_Stopper(tgt, params) for _ in range(N)]
+    stops = [_Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
     L = max(lens)
     inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
     valid = torch.arange(L, device=dev)[None] < torch.tensor(lens, device=dev)[:, None]  # (N, L)
@@ -303,7 +311,7 @@ def generate_batch(engine: Engine, prompts: list, params: SamplingParams | None 
             anchors[i] = int(nxt[i])
     secs = time.perf_counter() - t0
     return [GenerationResult(token_ids=s.tokens, text=s.result_text(), finish_reason=s.finish_reason or "length",
-                             prompt_tokens=n, method=engine.method, stats=st, seconds=secs)
+                             prompt_tokens=n, method=engine.method, stats=st, seconds=secs, batch_size=N)
             for s, n, st in zip(stops, lens, stats)]
 
 

@@ -7,8 +7,9 @@ callback reads for streamed requests, whose extra fields LiteLLM drops). Binds 1
 Per-request acceptance comes back like SGLang 0.5.23: `sglext.spec_tokens_details` when the request sets
 `return_spec_tokens_details`, `meta_info` when it sets `return_meta_info` (fields from stats.AcceptanceStats).
 `reasoning_effort` (none/low/medium/high/xhigh) is mapped onto the target (Qwen3: `enable_thinking`; others: a
-system instruction with a reasoning-token budget) and echoed in the record. Requests run one at a time on the
-engine (a lock); a streaming client that disconnects aborts its generation at the next token.
+system instruction with a reasoning-token budget) and echoed in the record. One decoding thread (`Batcher`)
+decodes the requests waiting for it together (up to --max-batch); a streaming client that disconnects aborts
+its own row at the next token.
 """
 
 
@@ -32,6 +33,7 @@ class ServeConfig:
     model_name: str = "dspine"
     max_prompt_tokens: int | None = None  # default: the target's context - 1
     max_records: int = 10000
+    max_batch: int = 8  # requests decoded together (those waiting when a batch starts; greedy or unseeded)
 
 
 def apply_reasoning_effort(model_type: str, messages: list[dict], effort: str) -> tuple[list[dict], dict]:
@@ -91,13 +93,73 @@ class Metrics:
             self.accept_len.labels(*lab).observe(rec["spec"]["spec_accept_length"])
 
 
+class Batcher:
+    """One decoding thread for the engine. Requests waiting when it starts a batch are decoded together
+    (engine.generate_batch) when they draw tokens alike (same temperature / top-k / top-p) and are greedy
+    or unseeded; a seeded sampled request runs alone, so its seed reproduces its output. A static batch:
+    what arrives meanwhile waits for the next one."""
+
+    def __init__(self, engine: Engine, max_batch: int):
+        import queue
+
+        self.engine, self.max_batch = engine, max(1, max_batch)
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, daemon=True, name="dspine-batcher").start()
+
+    def submit(self, ids: list[int], params, on_token=None):
+        """Blocks until the request is decoded -> GenerationResult (raises what decoding raised)."""
+        self.engine.prompt_ids(ids)  # a bad prompt fails alone, before it joins a batch
+        from concurrent.futures import Future
+
+        fut: Future = Future()
+        self.jobs.put((ids, params, on_token, fut))
+        return fut.result()
+
+    @staticmethod
+    def _key(params):
+        return None if params.seed is not None and not params.greedy else \
+            (params.temperature, params.top_k, params.top_p)
+
+    def _loop(self):
+        import queue
+
+        from .engine import generate_batch
+
+        held = None
+        while True:
+            first = held or self.jobs.get()
+            held, batch = None, [first]
+            key = self._key(first[1])
+            while key is not None and len(batch) < self.max_batch:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if self._key(job[1]) != key:
+                    held = job  # starts the next batch
+                    break
+                batch.append(job)
+            try:
+                if len(batch) == 1:
+                    ids, params, cb, _ = batch[0]
+                    results = [self.engine.generate(ids, params, on_token=cb)]
+                else:
+                    results = generate_batch(self.engine, [j[0] for j in batch], [j[1] for j in batch],
+                                             [j[2] for j in batch])
+                for job, res in zip(batch, results):
+                    job[3].set_result(res)
+            except Exception as e:  # noqa: BLE001 — every waiting request hears of it
+                for job in batch:
+                    job[3].set_exception(e)
+
+
 class Service:
     """Request parsing, generation and records, independent of the HTTP framework."""
 
     def __init__(self, engine: Engine, cfg: ServeConfig | None = None, drafter_name: str | None = None):
         self.engine, self.cfg = engine, cfg or ServeConfig()
         self.drafter_name = drafter_name or (engine.method if engine.drafter is not None else None)
-        self.lock = threading.Lock()
+        self.batcher = Batcher(engine, self.cfg.max_batch)
         self.records: OrderedDict[str, dict] = OrderedDict()
         self.metrics = Metrics()
         tgt = engine.target
@@ -168,8 +230,7 @@ class Service:
         t0 = time.time()
         self.metrics.inflight.inc()
         try:
-            with self.lock:
-                res = self.engine.generate(req["ids"], req["params"], on_token=on_token)
+            res = self.batcher.submit(req["ids"], req["params"], on_token)
         except RequestError as e:
             raise BadRequest(str(e)) from None
         finally:
@@ -177,7 +238,7 @@ class Service:
         rec = {"id": rid, "model": self.cfg.model_name, "drafter": self.drafter_name, "method": res.method,
                "workload": req["workload"], "thinking": req["effort"], "prompt_tokens": res.prompt_tokens,
                "completion_tokens": res.completion_tokens, "finish_reason": res.finish_reason,
-               "latency_s": time.time() - t0, "created": int(t0), "text": res.text,
+               "latency_s": time.time() - t0, "created": int(t0), "text": res.text, "batch_size": res.batch_size,
                "spec": res.stats.sglang_meta() if res.stats is not None else None}
         self.records[rid] = rec
         while len(self.records) > self.cfg.max_records:

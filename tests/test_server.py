@@ -121,3 +121,29 @@ def test_bad_input_is_refused_and_server_stays_up(server, name, body, raw, statu
     err = json.loads(text)["error"]
     assert needle in err["message"]
     assert json.loads(get(server, "/health"))["status"] == "ok"
+
+
+def test_concurrent_requests_are_batched_and_equal_ar(server, smollm2, smollm2_drafters):
+    """Requests arriving while the engine is busy are decoded together; each still equals its AR output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = ["Name three colours.", "What is 2 + 2?", "Say hello in French.", "Name a planet."]
+    busy = {**CHAT, "max_tokens": 48, "messages": [{"role": "user", "content": "Tell me about the sea."}]}
+    with ThreadPoolExecutor(5) as ex:
+        first = ex.submit(post, server, "/v1/chat/completions", busy)
+        import time
+
+        time.sleep(1.0)  # the first request is decoding; the next four queue behind it
+        rest = list(ex.map(lambda p: post(server, "/v1/chat/completions",
+                                          {**CHAT, "messages": [{"role": "user", "content": p}]}), prompts))
+    assert first.result()[0] == 200
+    ar = Engine(smollm2)
+    sizes = []
+    for p, (status, body, _) in zip(prompts, rest):
+        assert status == 200
+        doc = json.loads(body)
+        want = ar.generate([{"role": "user", "content": p}], SamplingParams(max_tokens=24))
+        assert doc["choices"][0]["message"]["content"] == want.text
+        rec = json.loads(get(server, f"/v1/dspine/requests/{doc['id']}"))
+        sizes.append(rec["batch_size"])
+    assert max(sizes) > 1, sizes
