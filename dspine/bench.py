@@ -21,6 +21,16 @@ from .stats import summarize
 PHASES = ("draft", "propose", "verify", "commit")
 
 
+def _row(results: list, secs: float) -> dict:
+    """Throughput, and τ for a drafter, over GenerationResults decoded in `secs`."""
+    tokens = sum(r.completion_tokens for r in results)
+    row = {"requests": len(results), "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
+    if results and results[0].stats is not None:
+        s = summarize([r.stats for r in results])
+        row.update(tau_mean=s["tau_mean"], tau_pooled=s["tau_pooled"], rounds=s["rounds"])
+    return row
+
+
 def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_new_tokens: int,
                  temperature: float = 0.0, progress: bool = True, concurrencies: list[int] | None = None) -> dict:
     """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: the items in groups of c, each
@@ -34,27 +44,22 @@ def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_
     bar = tqdm(total=len(items) * len(engines) * (1 + len(batched)), desc="bench", disable=not progress)
     for name, eng in engines.items():
         totals: dict[str, float] = {}
-        stats, tokens, t0, per_bench = [], 0, time.perf_counter(), {}
+        results, t0, per_bench = [], time.perf_counter(), {}
         for i, (bench, it) in enumerate(items):
             res = eng.generate(it.turns[0], SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
                                                            seed=i), profile=True)
-            tokens += res.completion_tokens
+            results.append(res)
             for k, v in res.timings.items():
                 totals[k] = totals.get(k, 0.0) + v
             if res.stats is not None:
-                stats.append(res.stats)
                 per_bench.setdefault(bench, []).append(res.stats.tau)
             bar.update(1)
-        secs = time.perf_counter() - t0
-        row = {"requests": len(items), "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
+        row = _row(results, time.perf_counter() - t0)
         if name == "ar":
-            steps = max(1, tokens - len(items))  # the first token of each request comes from the prefill
+            steps = max(1, row["tokens"] - len(items))  # the first token of each request comes from the prefill
             row["ar_step_ms"] = 1000 * totals.get("ar_step", 0.0) / steps
         else:
-            s = summarize(stats)
-            rounds = max(1, s["rounds"])
-            row.update(tau_mean=s["tau_mean"], tau_pooled=s["tau_pooled"], rounds=s["rounds"],
-                       phase_ms_per_round={p: 1000 * totals.get(p, 0.0) / rounds for p in PHASES})
+            row["phase_ms_per_round"] = {p: 1000 * totals.get(p, 0.0) / max(1, row["rounds"]) for p in PHASES}
             row["round_ms"] = sum(row["phase_ms_per_round"].values())
             tau_bench[name] = {b: sum(t) / len(t) for b, t in per_bench.items()}
         rows[name] = row
@@ -67,13 +72,7 @@ def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_
                 results += generate_batch(eng, [it.turns[0] for _, it in items[g:g + c]],
                                           SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=g))
                 bar.update(len(items[g:g + c]))
-            secs = time.perf_counter() - t0
-            tokens = sum(r.completion_tokens for r in results)
-            row = {"requests": len(items), "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
-            if name != "ar":
-                s = summarize([r.stats for r in results])
-                row.update(tau_mean=s["tau_mean"], tau_pooled=s["tau_pooled"], rounds=s["rounds"])
-            by_conc[str(c)][name] = row
+            by_conc[str(c)][name] = _row(results, time.perf_counter() - t0)
     bar.close()
     for crows in by_conc.values():
         for name, row in crows.items():

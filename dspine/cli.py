@@ -155,9 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     bn.add_argument("--sglang-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="sglang: serving dtype (default: %(default)s)")
     bn.add_argument("--sglang-flags", default=None,
-                    help="sglang: launch_server flags for every server, one string (default: "
-                         "triton attention, torch sampling, no radix cache, decode CUDA graphs for batch 1, 2, 4, ..., 32, "
-                         "no prefill CUDA graph)")
+                    help="sglang: launch_server flags for every server, one string (default: triton attention, "
+                         "torch sampling, no radix cache, decode CUDA graphs for batch 1, 2, 4, ..., 32, no prefill "
+                         "CUDA graph)")
     bn.add_argument("--out", help="JSON file to write (a .md table beside it; SGLang logs in its folder)")
     bn.add_argument("--engine-agreement", type=int, default=0, metavar="WORKERS",
                     help="sglang: afterwards decode the same items (T=0) with dspine's engine in WORKERS processes on "

@@ -75,6 +75,34 @@ def walk_sample(cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, pa
     return torch.stack(toks, 1), torch.stack(qs, 1)
 
 
+def _scores(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, codes: torch.Tensor, h_pre: torch.Tensor,
+            f: torch.Tensor, cand: torch.Tensor, fast: bool) -> torch.Tensor:
+    """transition_scores, or its fused kernel; no slot >= 2 (B = 2) -> an empty table."""
+    N, Bm1, K = cand.shape
+    if Bm1 == 1:
+        return torch.zeros(N, 0, K, K, device=cand.device)
+    if fast:
+        from kernels.transition import fused_transition_scores
+
+        return fused_transition_scores(inj, norm, head, codes, h_pre, f, cand)
+    return transition_scores(inj, norm, head, codes, h_pre, f, cand)
+
+
+def greedy_transition_walk(logits: torch.Tensor, inj: Injection, norm: torch.nn.Module, head: torch.Tensor,
+                           codes: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor, top_k: int) -> torch.Tensor:
+    """logits (N, B-1, V) of slots 1..B-1, h_pre (N, B, d), f (N, B, r) -> greedy drafts (N, B-1): slot 1 its
+    argmax, slots >= 2 through the transition cache (the fused kernels on CUDA). The engine's and the SGLang
+    plugin's greedy proposal."""
+    fast = kernels.enabled(logits)
+    cand = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices  # (N, B-1, K)
+    S = _scores(inj, norm, head, codes, h_pre, f, cand, fast)
+    if fast:
+        from kernels.transition import fused_walk_greedy
+
+        return fused_walk_greedy(cand, S)
+    return walk_greedy(cand, S)
+
+
 def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
             generator: torch.Generator | None = None) -> Proposal:
     """One block per row (nb = 1) -> drafts for slots 1..B-1 and, when sampling, their q."""
@@ -88,32 +116,26 @@ def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
         q = warp_probs(logits, params)
         return Proposal(sample(q, generator), q)
 
+    last = cfg.num_hidden_layers - 1
+    state = (drafter.injections[str(last)], drafter.norm, drafter.head, drafter.transfer_codes, out.h_pre[:, 0],
+             out.feats[last][:, 0])
+    if greedy:
+        return Proposal(greedy_transition_walk(logits, *state, cfg.top_k), None)
     N, Bm1, V = logits.shape
     K = min(cfg.top_k, V)
     fast = kernels.enabled(logits)
-    if fast:
-        import kernels.transition as fused
     cand = logits.topk(K, dim=-1).indices  # (N, B-1, K)
-    if greedy:
-        q1, first_idx = None, None
-    else:
-        q1 = warp_probs(logits[:, 0], params)  # (N, V)
-        x1 = sample(q1, generator)
-        hit = cand[:, 0] == x1[:, None]
-        first_idx = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(x1, K - 1))
-        cand[:, 0] = cand[:, 0].scatter(1, first_idx[:, None], x1[:, None])
-    if Bm1 == 1:
-        S = logits.new_zeros(N, 0, K, K)
-    else:
-        last = str(cfg.num_hidden_layers - 1)
-        args = (drafter.injections[last], drafter.norm, drafter.head, drafter.transfer_codes, out.h_pre[:, 0],
-                out.feats[int(last)][:, 0], cand)
-        S = fused.fused_transition_scores(*args) if fast else transition_scores(*args)
-    if greedy:
-        return Proposal(fused.fused_walk_greedy(cand, S) if fast else walk_greedy(cand, S), None)
+    q1 = warp_probs(logits[:, 0], params)  # (N, V)
+    x1 = sample(q1, generator)
+    hit = cand[:, 0] == x1[:, None]
+    first_idx = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(x1, K - 1))
+    cand[:, 0] = cand[:, 0].scatter(1, first_idx[:, None], x1[:, None])
+    S = _scores(*state, cand, fast)
     if fast:  # the kernel samples by inverse CDF from uniforms drawn here, on the request's generator
+        from kernels.transition import fused_walk_sample
+
         u = torch.rand(N, max(Bm1 - 1, 0), device=cand.device, generator=generator)
-        rest, q_rest = fused.fused_walk_sample(cand, S, first_idx, params, V, u)
+        rest, q_rest = fused_walk_sample(cand, S, first_idx, params, V, u)
     else:
         rest, q_rest = walk_sample(cand, S, first_idx, params, V, generator)
     tokens = torch.cat([cand[torch.arange(N), 0, first_idx][:, None], rest], dim=1)

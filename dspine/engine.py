@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .decoding import propose
-from .drafter import DSpineDraftModel
+from .drafter import DSpineDraftModel, block_attention_mask
 from .sampling import RequestError, SamplingParams, sample, warp_probs
 from .stats import AcceptanceStats
 from .target import Target
@@ -100,6 +100,12 @@ class _PhaseClock:
         self._t = now
 
 
+def _generator(device: torch.device, seed: int | None) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return gen
+
+
 class DraftContext:
     """The drafter's per-layer context K/V for committed positions (grows; block K/V are never kept)."""
 
@@ -164,8 +170,7 @@ class Engine:
         params = (params or SamplingParams()).validate()
         clock = _PhaseClock(self.target.device, profile)
         ids = self.prompt_ids(prompt)
-        gen = torch.Generator(device=self.target.device)
-        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        gen = _generator(self.target.device, params.seed)
         t0 = time.perf_counter()
         tgt, dev = self.target, self.target.device
         spec = self.drafter is not None
@@ -248,8 +253,7 @@ def generate_batch(engine: Engine, prompts: list, params: SamplingParams | list[
     tgt, dev, drafter = engine.target, engine.target.device, engine.drafter
     ids = [engine.prompt_ids(p) for p in prompts]
     N, lens = len(ids), [len(x) for x in ids]
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    gen = _generator(dev, params.seed)
     t0 = time.perf_counter()
     layer_ids = drafter.config.target_layer_ids if drafter is not None else None
     B = drafter.config.block_size if drafter is not None else 1
@@ -268,31 +272,28 @@ def generate_batch(engine: Engine, prompts: list, params: SamplingParams | list[
         ctx, ctx_valid = DraftContext(drafter), valid
         ctx.extend(feats, torch.arange(L, device=dev).expand(N, L))
     while not all(done):
-        width = B if drafter is not None else 1
-        if int(committed.max()) + width > engine.max_positions:
+        if int(committed.max()) + B > engine.max_positions:
             for i in range(N):
                 if not done[i]:
                     stops[i].finish_reason, done[i] = "length", True
             break
-        pos = committed[:, None] + torch.arange(width, device=dev)  # (N, width)
+        pos = committed[:, None] + torch.arange(B, device=dev)  # (N, B); B = 1 for AR
         anchor_t = torch.tensor(anchors, device=dev)[:, None]
         if drafter is not None:
-            from .drafter import block_attention_mask
-
             mask = block_attention_mask(ctx_valid[:, None], B, drafter.config.is_causal)
             out = drafter(drafter.block_inputs(anchor_t, B), pos[:, None], ctx.kv, mask)
             prop = propose(drafter, out, params, gen)
             feed = torch.cat([anchor_t, prop.tokens], 1)
         else:
             feed = anchor_t
-        logits, feats = tgt.forward(feed, cache, layer_ids, torch.cat([valid, valid.new_ones(N, width)], 1).long(),
+        logits, feats = tgt.forward(feed, cache, layer_ids, torch.cat([valid, valid.new_ones(N, B)], 1).long(),
                                     pos)
         if drafter is not None:
             n_acc, nxt = verify(prop, logits, params, gen)
         else:
             n_acc = torch.zeros(N, dtype=torch.long, device=dev)
             nxt = torch.tensor([engine._pick(logits[i, -1], params, gen) for i in range(N)], device=dev)
-        kept = torch.arange(width, device=dev)[None] <= n_acc[:, None]  # (N, width): anchor + accepted drafts
+        kept = torch.arange(B, device=dev)[None] <= n_acc[:, None]  # (N, B): anchor + accepted drafts
         valid = torch.cat([valid, kept], 1)
         if drafter is not None:
             ctx.extend(feats, pos)

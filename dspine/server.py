@@ -15,13 +15,15 @@ its own row at the next token.
 
 import asyncio
 import json
+import queue
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .engine import Engine
+from .engine import Engine, generate_batch
 from .sampling import RequestError, SamplingParams
 
 EFFORTS = ("none", "low", "medium", "high", "xhigh")
@@ -100,8 +102,6 @@ class Batcher:
     what arrives meanwhile waits for the next one."""
 
     def __init__(self, engine: Engine, max_batch: int):
-        import queue
-
         self.engine, self.max_batch = engine, max(1, max_batch)
         self.jobs: queue.Queue = queue.Queue()
         threading.Thread(target=self._loop, daemon=True, name="dspine-batcher").start()
@@ -109,8 +109,6 @@ class Batcher:
     def submit(self, ids: list[int], params, on_token=None):
         """Blocks until the request is decoded -> GenerationResult (raises what decoding raised)."""
         self.engine.prompt_ids(ids)  # a bad prompt fails alone, before it joins a batch
-        from concurrent.futures import Future
-
         fut: Future = Future()
         self.jobs.put((ids, params, on_token, fut))
         return fut.result()
@@ -121,10 +119,6 @@ class Batcher:
             (params.temperature, params.top_k, params.top_p)
 
     def _loop(self):
-        import queue
-
-        from .engine import generate_batch
-
         held = None
         while True:
             first = held or self.jobs.get()

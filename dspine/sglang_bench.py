@@ -29,6 +29,7 @@ from pathlib import Path
 from .evaluate import git_sha, hardware
 from .server import free_port, wait_http
 from .stats import tau_of
+from .target import chat_template_ids
 
 # triton attention and torch sampling: FA3 and flashinfer's JIT are not on the H200 image (../shared/GPU.md)
 # decode CUDA graphs for batch 1, 2, 4, ..., 32 (6 captures instead of SGLang's 20 — server starts took
@@ -129,15 +130,12 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
     from tqdm.auto import tqdm
 
     flags = list(DEFAULT_FLAGS if flags is None else flags)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": it.turns[0]}], add_generation_prompt=True,
-                                             tokenize=True) for _, it in items]
-    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    prompts = [chat_template_ids(tokenizer, [{"role": "user", "content": it.turns[0]}]) for _, it in items]
     bench_of = [b for b, _ in items]
     variants = {"ar": (None, 1), **{n: ensure_export(p, out_dir, n) for n, p in drafters.items()}}
     by_conc: dict[int, dict] = {c: {} for c in concurrencies}
     outputs: dict[str, dict[int, list[list[int]]]] = {}
     per_bench: dict[str, dict[str, float]] = {}
-    c1: dict[str, dict] = {}
     servers = {}
     bar = tqdm(total=len(variants) * (1 + len(concurrencies)), desc="sglang bench", disable=not progress)
     for name, (draft, bsz) in variants.items():
@@ -155,16 +153,15 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
                 row = {"requests": len(docs), "tokens": toks, "seconds": wall, "tokens_per_s": toks / wall}
                 outputs[name][c] = [list(d.get("output_ids", [])) for d in docs]
                 if draft:
-                    taus = [tau_of(d["meta_info"].get("spec_num_correct_drafts", 0), d["meta_info"]["spec_verify_ct"])
-                            for d in docs]
+                    counts = [(d["meta_info"].get("spec_num_correct_drafts", 0), d["meta_info"]["spec_verify_ct"])
+                              for d in docs]  # (accepted drafts, verify rounds) per request
+                    taus = [tau_of(a, r) for a, r in counts]
                     row["tau_mean"] = sum(taus) / len(taus)
-                    row["tau_pooled"] = tau_of(sum(d["meta_info"].get("spec_num_correct_drafts", 0) for d in docs),
-                                               sum(d["meta_info"]["spec_verify_ct"] for d in docs))
+                    row["tau_pooled"] = tau_of(sum(a for a, _ in counts), sum(r for _, r in counts))
                 if c == 1:
                     decode = [max(1e-9, d["latency_s"] - p) for d, p in zip(docs, prefill)]
                     if draft:
-                        rounds = [max(1, d["meta_info"]["spec_verify_ct"]) for d in docs]
-                        row["round_ms"] = 1000 * sum(decode) / sum(rounds)
+                        row["round_ms"] = 1000 * sum(decode) / sum(max(1, r) for _, r in counts)
                         if timing.is_file():  # CUDA-event split from inside SGLang (plugin timing.py)
                             t = json.loads(timing.read_text())
                             row["phase_ms_per_round"] = {k: t[f"{k}_ms"] for k in ("draft", "verify", "glue")}
@@ -176,7 +173,6 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
                     else:
                         steps = sum(max(1, d["meta_info"]["completion_tokens"] - 1) for d in docs)
                         row["ar_step_ms"] = 1000 * sum(decode) / steps
-                    c1[name] = row
                 by_conc[c][name] = row
                 bar.update(1)
             servers[name] = {"startup_s": srv.startup_s, "command": " ".join(srv.cmd)}
@@ -190,7 +186,7 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
                 row["round_over_ar_step"] = row["round_ms"] / rows["ar"]["ar_step_ms"]
     ref = outputs["ar"][concurrencies[0]]
     match = {name: {str(c): _match(outs[c], ref) for c in concurrencies} for name, outs in outputs.items()}
-    return {"backend": "sglang", "concurrency": 1, "rows": c1, "by_concurrency": {str(c): r for c, r in by_conc.items()},
+    return {"backend": "sglang", "concurrency": 1, "rows": by_conc[1], "by_concurrency": {str(c): r for c, r in by_conc.items()},
             "tau_per_benchmark_c1": per_bench, "greedy_match_vs_ar_c1": match if temperature == 0 else None,
             "servers": servers, "sglang_version": sglang_version(), "flags": flags, "dtype": dtype,
             "temperature": temperature, "max_new_tokens": max_new_tokens, "prompts": len(prompts),

@@ -95,6 +95,16 @@ def resolve_target_path(spec: str) -> Path:
     return path
 
 
+def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                      **template_kwargs) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template (a list, or a BatchEncoding's input_ids)."""
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **template_kwargs)
+    if hasattr(enc, "keys") and "input_ids" in enc:
+        enc = enc["input_ids"]
+    return [int(t) for t in enc]
+
+
 @dataclass
 class TargetInfo:
     """What a drafter must agree with."""
@@ -210,11 +220,7 @@ class Target:
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         if self.tokenizer is None:
             raise TargetError("this target has no tokenizer")
-        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True, **template_kwargs)
-        if hasattr(enc, "keys") and "input_ids" in enc:
-            enc = enc["input_ids"]
-        return [int(t) for t in enc]
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, **template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

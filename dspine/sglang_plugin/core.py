@@ -17,7 +17,7 @@ import torch.nn as nn
 import kernels
 
 from ..config import ConfigError, from_dict
-from ..decoding import transition_scores, walk_greedy
+from ..decoding import greedy_transition_walk
 from ..drafter import VARIANTS, Injection
 from ..export import INJECTION
 
@@ -92,23 +92,11 @@ def inject_flat(inj: Injection, h: torch.Tensor, anchor_code: torch.Tensor, bloc
 
 def propose_block(slots: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor, inj: Injection, norm: nn.Module,
                   head: torch.Tensor, codes: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Greedy proposal for one block per row.
-
-    slots (bs, B-1, d) slots 1..B-1 after the drafter's final norm (what SGLang's DFlash takes its argmax of);
-    h_pre (bs, B, d) before the last layer's write; f (bs, B, r) the last layer's readout;
-    head (V, d) the target's lm_head; codes (V, r) -> tokens (bs, B-1) for slots 1..B-1.
-    Slot 1 is the argmax of its logits (as DFlash); slots >= 2 follow the transition cache.
-    """
+    """Greedy proposal for one block per row: slots (bs, B-1, d) slots 1..B-1 after the drafter's final norm
+    (what SGLang's DFlash takes its argmax of), h_pre (bs, B, d), f (bs, B, r), head (V, d) the target's
+    lm_head, codes (V, r) -> tokens (bs, B-1), through dspine's own greedy_transition_walk."""
     logits = torch.matmul(slots, head.t().to(slots.dtype))  # (bs, B-1, V)
-    cand = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices  # (bs, B-1, K)
-    if cand.shape[1] == 1:
-        return cand[:, :, 0]
-    args = (inj, norm, head, codes, h_pre, f, cand)
-    if kernels.enabled(slots):
-        import kernels.transition as fused
-
-        return fused.fused_walk_greedy(cand, fused.fused_transition_scores(*args))
-    return walk_greedy(cand, transition_scores(*args))
+    return greedy_transition_walk(logits, inj, norm, head, codes, h_pre, f, top_k)
 
 
 def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
