@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspine.decoding import transition_scores, walk_greedy  # noqa: E402
 from dspine.drafter import Injection, RMSNorm  # noqa: E402
 from dspine.evaluate import git_sha, hardware  # noqa: E402
+from dspine.io import atomic_write_text  # noqa: E402
+from dspine.recipe import update_summary  # noqa: E402
 from kernels.injection import fused_injection  # noqa: E402
 from kernels.transition import fused_transition_scores, fused_walk_greedy  # noqa: E402
 
@@ -62,6 +64,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--out")
+    ap.add_argument("--summary", help="summary.json whose `kernels` section is rewritten (bf16, batch 1, graph "
+                                      "replay: the setting of SGLang's draft step at concurrency 1)")
     a = ap.parse_args()
     d, r, s, V = 576, 256, 256, 49152  # SmolLM2-135M's width and vocabulary, the default transfer rank
     rows = []
@@ -102,9 +106,20 @@ def main() -> int:
     print("|---|---|" + "---|" * len(cols))
     for x in rows:
         print(f"| {x['dtype']} | {x['batch']} | " + " | ".join(f"{x[c]:.3f}" for c in cols) + " |")
+    meta = {"git_sha": git_sha(), "hardware": hardware(), "command": " ".join(sys.argv), "torch": torch.__version__}
     if a.out:
-        Path(a.out).write_text(json.dumps({"rows": rows, "git_sha": git_sha(), "hardware": hardware(),
-                                           "command": " ".join(sys.argv), "torch": torch.__version__}, indent=1))
+        atomic_write_text(Path(a.out), json.dumps({"rows": rows, **meta}, indent=1))
+    one = [x for x in rows if x["dtype"] == "bfloat16" and x["batch"] == 1]
+    if a.summary and one:
+        x = one[0]
+        best = min(("rows", "split"), key=lambda v: x[f"{v}_graph_ms"])
+        update_summary(a.summary, "kernels", {
+            "injection_ms_per_round": x[f"{best}_graph_ms"], "injection_variant": best,
+            "injection_ms_per_round_by_variant": {v: x[f"{v}_graph_ms"] for v in ("eager", "rows", "split")},
+            "transition_ms_per_round": x["transition_fused_graph_ms"],
+            "transition_eager_ms_per_round": x["transition_eager_graph_ms"],
+            "setting": f"bf16, concurrency 1, {a.layers} injected layers, B={a.block}, K={a.top_k}, d={d}, r=s={r}, "
+                       f"V={V}; synthetic weights; replayed from a CUDA graph; CUDA events, median", **meta})
     return 0
 
 

@@ -160,8 +160,15 @@ def _parser() -> argparse.ArgumentParser:
                          "CUDA graph)")
     bn.add_argument("--out", help="JSON file to write (a .md table beside it; SGLang logs in its folder)")
     bn.add_argument("--engine-agreement", type=int, default=0, metavar="WORKERS",
-                    help="sglang: afterwards decode the same items (T=0) with dspine's engine in WORKERS processes on "
-                         "--device/--dtype and report τ per benchmark from both, and their ratio (default: off)")
+                    help="sglang: while the servers start, decode the same items (T=0) with dspine's engine in "
+                         "WORKERS processes on --device/--dtype and report τ per benchmark from both, and their "
+                         "ratio (default: off)")
+    bn.add_argument("--agreement-drafters", default="dspine",
+                    help="sglang: comma-separated drafters the engine decodes for --engine-agreement "
+                         "(default: %(default)s)")
+    bn.add_argument("--sglang-serial-start", action="store_true",
+                    help="sglang: start each server after the previous one stopped (default: all start side by "
+                         "side, then run one at a time; needs flags that let several share the GPU)")
     bn.add_argument("--summary", help="sglang: summary.json whose `speed` section is rewritten "
                                       "(needs drafters named dspine and dflash)")
     bn.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -456,21 +463,30 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
         raise UsageError("--concurrency must include 1: τ per benchmark and the round cost are measured there")
     if a.summary and not {"dspine", "dflash"} <= set(specs):
         raise UsageError("--summary needs drafters named dspine and dflash (--drafter dspine=... --drafter dflash=...)")
+    agree = [n for n in a.agreement_drafters.split(",") if n] if a.engine_agreement else []
+    if set(agree) - set(specs):
+        raise UsageError(f"--agreement-drafters {sorted(set(agree) - set(specs))} are not among the --drafter names")
     if importlib.util.find_spec("sglang") is None:
         raise UsageError("--backend sglang needs SGLang: pip install 'dspine[sglang]' (on a CUDA machine)")
     path = resolve_target_path(a.target)
     out_dir = Path(a.out).parent if a.out else Path(tempfile.mkdtemp(prefix="dspine-sglang-"))
     items = [(b, it) for b in benches for it in load_benchmark(b, a.limit)]
-    doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), specs, items, conc, a.max_new_tokens, out_dir,
-                       dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress)
-    if a.engine_agreement:
+    ev = {}
+
+    def engine_pass():  # runs while the SGLang servers start (their timing runs come after)
         from .evaluate import evaluate
 
-        target, drafters = _load_models(a, specs)
-        ev = evaluate(target, drafters, benches, a.limit, [0.0], a.max_new_tokens, progress=not a.no_progress,
-                      workers=a.engine_agreement, target_spec=(a.target, a.dtype, a.device), drafter_paths=specs,
-                      max_turns=1)
-        doc["engine_agreement"] = engine_agreement(doc, ev)
+        sub = {n: specs[n] for n in agree}
+        target, drafters = _load_models(a, sub)
+        ev["doc"] = evaluate(target, drafters, benches, a.limit, [0.0], a.max_new_tokens, progress=not a.no_progress,
+                             workers=a.engine_agreement, target_spec=(a.target, a.dtype, a.device), drafter_paths=sub,
+                             max_turns=1)
+
+    doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), specs, items, conc, a.max_new_tokens, out_dir,
+                       dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress,
+                       parallel_start=not a.sglang_serial_start, during_startup=engine_pass if agree else None)
+    if agree:
+        doc["engine_agreement"] = engine_agreement(doc, ev["doc"])
     if a.summary:
         kernels = json.loads(Path(a.summary).read_text()).get("kernels") if Path(a.summary).is_file() else None
         update_summary(a.summary, "speed", speed_section(doc, kernels))

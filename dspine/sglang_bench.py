@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,10 +33,15 @@ from .stats import tau_of
 from .target import chat_template_ids
 
 # triton attention and torch sampling: FA3 and flashinfer's JIT are not on the H200 image (../shared/GPU.md)
-# decode CUDA graphs for batch 1, 2, 4, ..., 32 (6 captures instead of SGLang's 20 — server starts took
-# 107-154 s with 20); prefill graphs off (their capture costs ~2 min per start, GPU.md)
+# decode CUDA graphs for batch 1, 2, 4, ..., 32 (6 captures instead of SGLang's 20); prefill graphs off (their
+# capture costs ~2 min per start, GPU.md). The servers of one run start side by side on one GPU (a start is
+# ~2 min of mostly CPU work, a run ~1 min), so the KV pool is capped by tokens (--max-total-tokens) instead of
+# by a share of the memory, and --mem-fraction-static only keeps SGLang's slack small enough that the others'
+# allocations do not fail the check; --sleep-on-idle keeps the waiting servers off the CPU (they wake on a
+# request's arrival).
 DEFAULT_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-radix-cache",
-                 "--mem-fraction-static", "0.5", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32",
+                 "--mem-fraction-static", "0.9", "--max-total-tokens", "131072", "--sleep-on-idle",
+                 "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32",
                  "--max-running-requests", "64", "--disable-prefill-cuda-graph")
 
 
@@ -63,29 +69,34 @@ def ensure_export(path: str, out_dir: Path, name: str) -> tuple[str, int]:
 
 
 class SGLangServer:
-    """One `sglang.launch_server` child on 127.0.0.1; its log goes to `log_path`."""
+    """One `sglang.launch_server` child on 127.0.0.1; its log goes to `log_path`. Construction launches it;
+    `wait()` blocks until it serves (so several can start side by side)."""
 
     def __init__(self, target_path: str, draft: str | None, block_size: int, flags: list[str], dtype: str,
-                 log_path: Path, timeout: float = 600, env: dict | None = None):
+                 log_path: Path, env: dict | None = None):
         self.port = free_port()
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target_path, "--host", "127.0.0.1",
                "--port", str(self.port), "--dtype", dtype, *flags]
         if draft:
             cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,
                     "--speculative-num-draft-tokens", str(block_size)]
-        self.cmd = cmd
+        self.cmd, self.log_path = cmd, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "wb")
-        t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **(env or {})})
         self.base = f"http://127.0.0.1:{self.port}"
+        self.startup_s: float | None = None
+
+    def wait(self, timeout: float = 600) -> "SGLangServer":
         try:
-            wait_http(self.base + "/health_generate", self.proc, timeout)
+            wait_http(self.base + "/health_generate", self.proc, max(1.0, timeout - (time.time() - self.t0)))
         except RuntimeError as e:
             self.close()
-            raise RuntimeError(f"SGLang did not start ({e}); see {log_path}") from None
-        self.startup_s = time.time() - t0
+            raise RuntimeError(f"SGLang did not start ({e}); see {self.log_path}") from None
+        self.startup_s = time.time() - self.t0
+        return self
 
     def generate(self, ids: list[int], max_new_tokens: int, temperature: float) -> dict:
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
@@ -98,12 +109,17 @@ class SGLangServer:
         return doc
 
     def close(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        """Stop the server and the scheduler/detokenizer processes it spawned (its own process group)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
             try:
                 self.proc.wait(30)
+                break
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                continue
         self.log.close()
 
 
@@ -125,8 +141,11 @@ def _match(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: list, concurrencies: list[int],
                  max_new_tokens: int, out_dir: Path, dtype: str = "bfloat16", flags: list[str] | None = None,
-                 temperature: float = 0.0, progress: bool = True) -> dict:
-    """items: (benchmark, Item) pairs (first turns are sent); drafters {name: checkpoint or export}."""
+                 temperature: float = 0.0, progress: bool = True, parallel_start: bool = True,
+                 during_startup=None) -> dict:
+    """items: (benchmark, Item) pairs (first turns are sent); drafters {name: checkpoint or export}.
+    parallel_start: launch every server first, then measure them one at a time (each closed after its run);
+    `during_startup()` runs while they start (e.g. the engine's own decode of the same items)."""
     from tqdm.auto import tqdm
 
     flags = list(DEFAULT_FLAGS if flags is None else flags)
@@ -137,13 +156,27 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
     outputs: dict[str, dict[int, list[list[int]]]] = {}
     per_bench: dict[str, dict[str, float]] = {}
     servers = {}
-    bar = tqdm(total=len(variants) * (1 + len(concurrencies)), desc="sglang bench", disable=not progress)
-    for name, (draft, bsz) in variants.items():
+
+    def launch(name: str) -> SGLangServer:
+        draft, bsz = variants[name]
         timing = out_dir / "timing" / f"{name}.json"
         timing.unlink(missing_ok=True)
-        srv = SGLangServer(target_path, draft, bsz, flags, dtype, out_dir / "logs" / f"{name}.log",
-                           env={"DSPINE_SGLANG_TIMING": str(timing)} if draft else None)
-        try:
+        return SGLangServer(target_path, draft, bsz, flags, dtype, out_dir / "logs" / f"{name}.log",
+                            env={"DSPINE_SGLANG_TIMING": str(timing)} if draft else None)
+
+    started: dict[str, SGLangServer] = {}
+    try:
+        if parallel_start:
+            for name in variants:
+                started[name] = launch(name)
+        if during_startup is not None:
+            during_startup()
+        bar = tqdm(total=len(variants) * (1 + len(concurrencies)), desc="sglang bench", disable=not progress)
+        for name, (draft, _) in variants.items():
+            if name not in started:
+                started[name] = launch(name)
+            srv = started[name].wait()
+            timing = out_dir / "timing" / f"{name}.json"
             prefill = [d["latency_s"] for d in _run_set(srv, prompts, 1, 1, temperature)[0]]
             bar.update(1)
             outputs[name] = {}
@@ -176,7 +209,9 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
                 by_conc[c][name] = row
                 bar.update(1)
             servers[name] = {"startup_s": srv.startup_s, "command": " ".join(srv.cmd)}
-        finally:
+            srv.close()
+    finally:
+        for srv in started.values():
             srv.close()
     bar.close()
     for c, rows in by_conc.items():
@@ -196,9 +231,12 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
 
 def engine_agreement(doc: dict, eval_doc: dict) -> dict:
     """τ per benchmark at concurrency 1 from SGLang beside `dspine eval` (T=0, first turns) on the same items:
-    {drafter: {benchmark: {sglang, engine, ratio}}, max_rel_diff per drafter}."""
+    {drafter: {benchmark: {sglang, engine, ratio}}, max_rel_diff per drafter} for the drafters both decoded."""
     out = {}
+    some = next(iter(eval_doc["results"].values()))["T0"]
     for name, per in doc["tau_per_benchmark_c1"].items():
+        if name not in some:
+            continue
         rows = {b: {"sglang": t, "engine": eval_doc["results"][b]["T0"][name]["tau_mean"]} for b, t in per.items()}
         for r in rows.values():
             r["ratio"] = r["sglang"] / r["engine"]

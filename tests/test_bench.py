@@ -31,5 +31,7 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     assert "must include 1" in capsys.readouterr().err
     assert main(["bench", "--backend", "sglang", "--summary", str(tmp_path / "s.json")]) == 2
     assert "named dspine and dflash" in capsys.readouterr().err
+    assert main(["bench", "--backend", "sglang", "--drafter", f"dflash={ckpt}", "--engine-agreement", "2"]) == 2
+    assert "--agreement-drafters ['dspine']" in capsys.readouterr().err
     assert main(["bench", "--backend", "sglang"]) == 2
     assert "needs SGLang" in capsys.readouterr().err

@@ -5,7 +5,8 @@ drafter through the plugin, AR beside it with the same flags.
 Over a short horizon (16 tokens) bf16 greedy outputs are expected to equal AR's up to SGLang's own near-tie
 flips: at least 5 of 6 prompts identical and 90% of tokens on the common prefix, at concurrency 1 and 4. The
 drafter is untrained but its injection writes are non-zero, so the injection and the transition-cache walk run
-on every round; the server log must show the proposal folded into the draft CUDA graph."""
+on every round; the server log must show the proposal folded into the draft CUDA graph, and the plugin's timing
+hooks must split the rounds into draft forward and target verify."""
 
 import os
 
@@ -39,5 +40,9 @@ def test_sglang_serves_dspine_through_the_plugin(tmp_path):
         assert m["identical"] >= m["of"] - 1 and m["mean_common_prefix"] >= 0.9, (c, m)
     row = doc["rows"]["dspine"]
     assert 1.0 <= row["tau_mean"] <= 16 and row["round_ms"] > 0
+    # the plugin's timing hooks split each round (CUDA events inside SGLang); the parts fit in the round
+    split = row["phase_ms_per_round"]
+    assert row["timed_rounds"] > 0 and split["draft"] > 0 and split["verify"] > 0, row
+    assert split["draft"] + split["verify"] <= row["round_ms"] * 1.05, row
     log = (tmp_path / "logs" / "dspine.log").read_text()
     assert "model=DSpineDraftModel" in log and "transition-cache proposal folded into the draft CUDA graph" in log
