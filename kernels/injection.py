@@ -11,13 +11,14 @@ chunks (weight tiles small enough for shared memory at r = s = 256) and gate ⊙
 global scratch rows that only this program touches, then read back for the write-back. Dots run in the
 weights' dtype with fp32 accumulation; fp32 uses IEEE dots (parity with the reference).
 
-Two layouts, chosen by `variant` (default: DSPINE_INJECTION, else "rows"):
+Two layouts, chosen by `variant` (default: DSPINE_INJECTION, else "split", the faster one):
 - "rows": the single kernel above; one program per 16 rows, so at batch 1 (16 rows) one SM streams all of
   the layer's weights (~1 MB in bf16) — measured 0.12 ms per layer on the H200.
 - "split": three launches whose grids also tile the output dimension — readout (rows × r-tiles), gate ⊙
   message (rows × s-tiles, predecessors read from the stored readouts) and write-back (rows × d-tiles; the
   readout and write-back share one row-tiled linear kernel) — so every weight tile is read by one program
-  and the layer spreads over 68 programs at batch 1 (16-wide tiles).
+  and the layer spreads over 68 programs at batch 1 (16-wide tiles). Measured on the H200 (bf16, 5 layers,
+  replayed from a CUDA graph, bench/results/kernels.json): 0.065 ms at batch 1 (rows 0.566, eager 0.129).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ VARIANTS = ("rows", "split")
 
 
 def injection_variant(variant: str | None = None) -> str:
-    v = variant or os.environ.get("DSPINE_INJECTION", "rows")
+    v = variant or os.environ.get("DSPINE_INJECTION", "split")
     if v not in VARIANTS:
         raise ValueError(f"injection kernel variant {v!r} is not one of {VARIANTS} (DSPINE_INJECTION)")
     return v

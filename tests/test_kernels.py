@@ -57,7 +57,10 @@ def test_fused_injection_matches_reference(shape, dtype, variant):
 
 
 def test_injection_variant_is_checked(monkeypatch):
-    assert injection_variant() == "rows" and injection_variant("split") == "split"
+    monkeypatch.delenv("DSPINE_INJECTION", raising=False)
+    assert injection_variant() == "split" and injection_variant("rows") == "rows"
+    monkeypatch.setenv("DSPINE_INJECTION", "rows")
+    assert injection_variant() == "rows"
     monkeypatch.setenv("DSPINE_INJECTION", "fast")
     with pytest.raises(ValueError, match="DSPINE_INJECTION"):
         injection_variant()
