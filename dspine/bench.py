@@ -105,6 +105,23 @@ def bench_table(doc: dict) -> str:
         for c, rows in doc["by_concurrency"].items():
             lines.append(f"| {c} | " + " | ".join(f"{rows[n]['tokens_per_s']:.0f} ({rows[n]['speedup_vs_ar']:.2f})"
                                                   for n in names) + " |")
+    timed = [(c, n, r) for c, rows in (doc.get("by_concurrency") or {}).items() for n, r in rows.items()
+             if "gpu_round_ms" in r]
+    if timed:  # SGLang: where each set's wall time went (CUDA events inside SGLang)
+        lines += ["", "| concurrency | method | rounds | GPU round ms | draft / verify / glue ms | prefills ms | "
+                      "outside rounds s | wall s |", "|---|---|---|---|---|---|---|---|"]
+        for c, n, r in timed:
+            ph = r["phase_ms_per_round"]
+            lines.append(f"| {c} | {n} | {r['timed_rounds']} | {r['gpu_round_ms']:.2f} | {ph['draft']:.2f} / "
+                         f"{ph['verify']:.2f} / {ph['glue']:.2f} | {r['prefill_ms_total']:.0f} | "
+                         f"{r['outside_rounds_s']:.2f} | {r['seconds']:.2f} |")
+    if doc.get("engine_agreement"):
+        lines += ["", "| benchmark | " + " | ".join(f"τ {n} SGLang / engine" for n in doc["engine_agreement"]) + " |",
+                  "|---|" + "---|" * len(doc["engine_agreement"])]
+        for b in doc["benchmarks"]:
+            lines.append(f"| {b} | " + " | ".join(
+                f"{a['per_benchmark'][b]['sglang']:.3f} / {a['per_benchmark'][b]['engine']:.3f} "
+                f"({a['per_benchmark'][b]['ratio']:.3f})" for a in doc["engine_agreement"].values()) + " |")
     if doc.get("tau_per_benchmark_c1"):
         per = doc["tau_per_benchmark_c1"]
         names = list(per)

@@ -160,11 +160,11 @@ def _parser() -> argparse.ArgumentParser:
                          "CUDA graph)")
     bn.add_argument("--out", help="JSON file to write (a .md table beside it; SGLang logs in its folder)")
     bn.add_argument("--engine-agreement", type=int, default=0, metavar="WORKERS",
-                    help="sglang: while the servers start, decode the same items (T=0) with dspine's engine in "
-                         "WORKERS processes on --device/--dtype and report τ per benchmark from both, and their "
-                         "ratio (default: off)")
+                    help="sglang: afterwards decode SGLang's own concurrency-1 outputs again with dspine's engine "
+                         "(the same text, drafts accepted while they match it) in WORKERS processes on "
+                         "--device/--dtype, and report τ per benchmark from both and their ratio (default: off)")
     bn.add_argument("--agreement-drafters", default="dspine",
-                    help="sglang: comma-separated drafters the engine decodes for --engine-agreement "
+                    help="sglang: comma-separated drafters the engine replays for --engine-agreement "
                          "(default: %(default)s)")
     bn.add_argument("--sglang-serial-start", action="store_true",
                     help="sglang: start each server after the previous one stopped (default: all start side by "
@@ -456,7 +456,7 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
     from workloads import load_benchmark
 
     from .recipe import update_summary
-    from .sglang_bench import engine_agreement, sglang_bench, speed_section
+    from .sglang_bench import replay_agreement, replay_jobs, sglang_bench, speed_section
     from .target import resolve_target_path
 
     if 1 not in conc:
@@ -471,22 +471,18 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
     path = resolve_target_path(a.target)
     out_dir = Path(a.out).parent if a.out else Path(tempfile.mkdtemp(prefix="dspine-sglang-"))
     items = [(b, it) for b in benches for it in load_benchmark(b, a.limit)]
-    ev = {}
-
-    def engine_pass():  # runs while the SGLang servers start (their timing runs come after)
-        from .evaluate import evaluate
+    doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), specs, items, conc, a.max_new_tokens, out_dir,
+                       dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress,
+                       parallel_start=not a.sglang_serial_start)
+    if agree:
+        from .evaluate import replay
 
         sub = {n: specs[n] for n in agree}
         target, drafters = _load_models(a, sub)
-        ev["doc"] = evaluate(target, drafters, benches, a.limit, [0.0], a.max_new_tokens, progress=not a.no_progress,
-                             workers=a.engine_agreement, target_spec=(a.target, a.dtype, a.device), drafter_paths=sub,
-                             max_turns=1)
-
-    doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), specs, items, conc, a.max_new_tokens, out_dir,
-                       dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress,
-                       parallel_start=not a.sglang_serial_start, during_startup=engine_pass if agree else None)
-    if agree:
-        doc["engine_agreement"] = engine_agreement(doc, ev["doc"])
+        jobs = replay_jobs(doc, agree)
+        res = replay(target, drafters, jobs, progress=not a.no_progress, workers=a.engine_agreement,
+                     target_spec=(a.target, a.dtype, a.device), drafter_paths=sub)
+        doc["engine_agreement"] = replay_agreement(doc, jobs, res, a.dtype)
     if a.summary:
         kernels = json.loads(Path(a.summary).read_text()).get("kernels") if Path(a.summary).is_file() else None
         update_summary(a.summary, "speed", speed_section(doc, kernels))

@@ -48,6 +48,17 @@ def verify(prop, logits: torch.Tensor, params: SamplingParams, gen, sampled_veri
     return sampled_verifier(prop.tokens, prop.q, warp_probs(logits, params), gen)
 
 
+def verify_forced(drafts: torch.Tensor, ahead: list[int]):
+    """drafts (1, B-1) against the given continuation -> (accepted (1,), next token (1,)); past the end of
+    `ahead` nothing is accepted and the next token is a placeholder the stopper never reaches."""
+    n = 0
+    row = drafts[0].tolist()
+    while n < len(row) and n < len(ahead) and row[n] == ahead[n]:
+        n += 1
+    nxt = ahead[n] if n < len(ahead) else row[0]
+    return torch.tensor([n]), torch.tensor([nxt])
+
+
 class _Stopper:
     """Appends tokens one at a time and decides when generation ends, identically for every method."""
 
@@ -163,11 +174,18 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompt, params: SamplingParams | None = None, on_token=None,
-                 profile: bool = False) -> GenerationResult:
+                 profile: bool = False, forced: list[int] | None = None) -> GenerationResult:
         """`on_token(token_id)` sees every committed token as it is committed; returning False aborts.
         `profile` fills `timings` (seconds per phase: prefill, draft, propose, verify, commit, ar_step), with
-        a device sync at each boundary — slower, for benchmarks only."""
+        a device sync at each boundary — slower, for benchmarks only.
+        `forced`: a given continuation (another engine's greedy output, e.g. SGLang's) stands in for the
+        target's choices — drafts are accepted while they match it and its next token is committed — so the
+        drafter's τ is measured on exactly that text (greedy only; ends where it ends)."""
         params = (params or SamplingParams()).validate()
+        if forced is not None:
+            if not params.greedy or not forced:
+                raise RequestError("a forced continuation needs greedy decoding and at least one token")
+            params = SamplingParams(max_tokens=len(forced), temperature=0.0, ignore_eos=params.ignore_eos)
         clock = _PhaseClock(self.target.device, profile)
         ids = self.prompt_ids(prompt)
         gen = _generator(self.target.device, params.seed)
@@ -186,7 +204,7 @@ class Engine:
         if spec:
             ctx = DraftContext(self.drafter)
             ctx.extend(feats, torch.arange(P, device=dev)[None])
-        anchor = self._pick(logits[0, -1], params, gen)
+        anchor = self._pick(logits[0, -1], params, gen) if forced is None else int(forced[0])
         done = stop.push(anchor)
         clock.lap("prefill")
         while not done:
@@ -198,7 +216,7 @@ class Engine:
                 if spec:
                     ctx.extend(feats, torch.tensor([[P]], device=dev))
                 P += 1
-                anchor = self._pick(logits[0, -1], params, gen)
+                anchor = self._pick(logits[0, -1], params, gen) if forced is None else int(forced[P - len(ids)])
                 done = stop.push(anchor)
                 clock.lap("ar_step")
                 continue
@@ -212,7 +230,10 @@ class Engine:
             logits, feats = tgt.forward(torch.cat([torch.tensor([[anchor]], device=dev), drafts], 1),
                                         cache, layer_ids)
             clock.lap("verify")
-            n_acc, nxt = verify(prop, logits, params, gen)
+            if forced is None:
+                n_acc, nxt = verify(prop, logits, params, gen)
+            else:  # forced[P - len(ids)] is the anchor; the drafts face the tokens after it
+                n_acc, nxt = verify_forced(drafts, forced[P - len(ids) + 1:])
             n = int(n_acc[0])
             stats.record(n)
             tgt.crop_cache(cache, P + n + 1)

@@ -105,13 +105,8 @@ def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperat
             bar.update(1)
     else:
         import concurrent.futures as cf
-        import multiprocessing as mp
 
-        if target_spec is None or drafter_paths is None:
-            raise ValueError("parallel evaluation needs target_spec and drafter_paths")
-        threads = max(1, (torch.get_num_threads() if target_spec[2] == "cpu" else 2 * workers) // workers)
-        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                    initargs=(target_spec, drafter_paths, threads)) as pool:
+        with _pool(workers, target_spec, drafter_paths) as pool:
             futs = {pool.submit(_worker_item, it, temperatures, max_new_tokens, seed + i): (b, i)
                     for b, i, it in units}
             for f in cf.as_completed(futs):
@@ -140,6 +135,49 @@ def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperat
             "dtype": str(target.dtype).replace("torch.", ""), "workers": workers, "max_turns": max_turns}
 
 
+def replay(target, drafters: dict, jobs: list[tuple[str, list[int], list[int]]], progress: bool = True,
+           workers: int = 1, target_spec: tuple | None = None, drafter_paths: dict | None = None) -> list[dict]:
+    """jobs: (drafter name, prompt ids, a greedy continuation from elsewhere, e.g. SGLang's) -> per job the
+    drafter's acceptance on exactly that text (`Engine.generate(forced=...)`): {"tau", "rounds", "accepted"}.
+    Trajectories no longer diverge, so τ differences are the drafters' own (kernels, numerics). Workers as
+    in `evaluate`."""
+    import concurrent.futures as cf
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(jobs), desc="replay", disable=not progress)
+    out: list = [None] * len(jobs)
+    if workers <= 1:
+        engines = {n: Engine(target, d) for n, d in drafters.items()}
+        for i, job in enumerate(jobs):
+            out[i] = _replay_one(engines, *job)
+            bar.update(1)
+    else:
+        with _pool(workers, target_spec, drafter_paths) as pool:
+            futs = {pool.submit(_worker_replay, *job): i for i, job in enumerate(jobs)}
+            for f in cf.as_completed(futs):
+                out[futs[f]] = f.result()
+                bar.update(1)
+    bar.close()
+    return out
+
+
+def _replay_one(engines: dict, name: str, prompt_ids: list[int], forced: list[int]) -> dict:
+    st = engines[name].generate(prompt_ids, SamplingParams(temperature=0.0), forced=forced).stats
+    return {"tau": st.tau, "rounds": st.rounds, "accepted": st.accepted}
+
+
+def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None):
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    if target_spec is None or drafter_paths is None:
+        raise ValueError("parallel evaluation needs target_spec and drafter_paths")
+    threads = max(1, (torch.get_num_threads() if target_spec[2] == "cpu" else 2 * workers) // workers)
+    return cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                  initargs=(target_spec, drafter_paths, threads))
+
+
 _ENGINES: dict = {}
 
 
@@ -157,6 +195,10 @@ def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int) -> None:
 
 def _worker_item(item, temperatures, max_new_tokens, seed):
     return eval_item(_ENGINES, item, temperatures, max_new_tokens, seed)
+
+
+def _worker_replay(name, prompt_ids, forced):
+    return _replay_one(_ENGINES, name, prompt_ids, forced)
 
 
 def benchmark_means(results: dict) -> dict:

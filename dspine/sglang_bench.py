@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .evaluate import git_sha, hardware
 from .server import free_port, wait_http
+from .sglang_plugin.timing import split
 from .stats import tau_of
 from .target import chat_template_ids
 
@@ -130,6 +131,13 @@ def _run_set(server: SGLangServer, prompts: list[list[int]], conc: int, max_new_
     return docs, time.perf_counter() - t0
 
 
+def _timing_mark(server: SGLangServer, prompt: list[int], path: Path) -> dict | None:
+    """A one-token request (its prefill makes the plugin's timer fold in every finished round), then the
+    timer's totals; None where the server writes no timing file (AR)."""
+    server.generate(prompt, 1, 0.0)
+    return json.loads(path.read_text())["totals"] if path.is_file() else None
+
+
 def _match(a: list[list[int]], b: list[list[int]]) -> dict:
     same = sum(x == y for x, y in zip(a, b))
     prefix = []
@@ -141,11 +149,10 @@ def _match(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: list, concurrencies: list[int],
                  max_new_tokens: int, out_dir: Path, dtype: str = "bfloat16", flags: list[str] | None = None,
-                 temperature: float = 0.0, progress: bool = True, parallel_start: bool = True,
-                 during_startup=None) -> dict:
+                 temperature: float = 0.0, progress: bool = True, parallel_start: bool = True) -> dict:
     """items: (benchmark, Item) pairs (first turns are sent); drafters {name: checkpoint or export}.
-    parallel_start: launch every server first, then measure them one at a time (each closed after its run);
-    `during_startup()` runs while they start (e.g. the engine's own decode of the same items)."""
+    parallel_start: launch every server first, then measure them one at a time (each closed after its run).
+    The document keeps the prompt ids and every drafter's concurrency-1 outputs (for `replay_agreement`)."""
     from tqdm.auto import tqdm
 
     flags = list(DEFAULT_FLAGS if flags is None else flags)
@@ -169,8 +176,6 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
         if parallel_start:
             for name in variants:
                 started[name] = launch(name)
-        if during_startup is not None:
-            during_startup()
         bar = tqdm(total=len(variants) * (1 + len(concurrencies)), desc="sglang bench", disable=not progress)
         for name, (draft, _) in variants.items():
             if name not in started:
@@ -178,6 +183,7 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
             srv = started[name].wait()
             timing = out_dir / "timing" / f"{name}.json"
             prefill = [d["latency_s"] for d in _run_set(srv, prompts, 1, 1, temperature)[0]]
+            before = _timing_mark(srv, prompts[0], timing)
             bar.update(1)
             outputs[name] = {}
             for c in concurrencies:
@@ -191,14 +197,19 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
                     taus = [tau_of(a, r) for a, r in counts]
                     row["tau_mean"] = sum(taus) / len(taus)
                     row["tau_pooled"] = tau_of(sum(a for a, _ in counts), sum(r for _, r in counts))
+                    after = _timing_mark(srv, prompts[0], timing)
+                    if after is not None:  # CUDA-event split of this set's rounds from inside SGLang (timing.py)
+                        t = split(after, before)
+                        row["phase_ms_per_round"] = {k: t[f"{k}_ms"] for k in ("draft", "verify", "glue")}
+                        row["timed_rounds"], row["gpu_round_ms"] = t["rounds"], t["round_ms"]
+                        # wall time outside the timed rounds and prefills: scheduling, HTTP, idle GPU
+                        row["outside_rounds_s"] = wall - (t["rounds_total_ms"] + t["extend_total_ms"]) / 1000
+                        row["prefill_ms_total"] = t["extend_total_ms"]
+                    before = after
                 if c == 1:
                     decode = [max(1e-9, d["latency_s"] - p) for d, p in zip(docs, prefill)]
                     if draft:
                         row["round_ms"] = 1000 * sum(decode) / sum(max(1, r) for _, r in counts)
-                        if timing.is_file():  # CUDA-event split from inside SGLang (plugin timing.py)
-                            t = json.loads(timing.read_text())
-                            row["phase_ms_per_round"] = {k: t[f"{k}_ms"] for k in ("draft", "verify", "glue")}
-                            row["timed_rounds"] = t["rounds"]
                         per_bench[name] = {}
                         for b in dict.fromkeys(bench_of):
                             t = [x for x, bb in zip(taus, bench_of) if bb == b]
@@ -223,25 +234,38 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
     match = {name: {str(c): _match(outs[c], ref) for c in concurrencies} for name, outs in outputs.items()}
     return {"backend": "sglang", "concurrency": 1, "rows": by_conc[1], "by_concurrency": {str(c): r for c, r in by_conc.items()},
             "tau_per_benchmark_c1": per_bench, "greedy_match_vs_ar_c1": match if temperature == 0 else None,
+            "prompt_ids": prompts, "outputs_c1": {n: outs[concurrencies[0]] for n, outs in outputs.items() if n != "ar"},
             "servers": servers, "sglang_version": sglang_version(), "flags": flags, "dtype": dtype,
             "temperature": temperature, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
-            "benchmarks": list(dict.fromkeys(bench_of)), "git_sha": git_sha(), "hardware": hardware(),
+            "benchmarks": list(dict.fromkeys(bench_of)), "benchmark_of": bench_of, "git_sha": git_sha(), "hardware": hardware(),
             "command": " ".join(sys.argv)}
 
 
-def engine_agreement(doc: dict, eval_doc: dict) -> dict:
-    """τ per benchmark at concurrency 1 from SGLang beside `dspine eval` (T=0, first turns) on the same items:
-    {drafter: {benchmark: {sglang, engine, ratio}}, max_rel_diff per drafter} for the drafters both decoded."""
+def replay_jobs(doc: dict, names: list[str]) -> list[tuple[str, list[int], list[int]]]:
+    """(drafter, prompt ids, SGLang's concurrency-1 output) for each drafter in `names` and each request with
+    at least one output token — what `evaluate.replay` decodes with dspine's engine."""
+    return [(n, p, o) for n in names for p, o in zip(doc["prompt_ids"], doc["outputs_c1"][n]) if o]
+
+
+def replay_agreement(doc: dict, jobs: list, results: list[dict], engine_dtype: str) -> dict:
+    """τ per benchmark at concurrency 1 from SGLang beside dspine's engine decoding the very same text
+    (`evaluate.replay` on SGLang's outputs): {drafter: {per_benchmark: {sglang, engine, ratio}, max_rel_diff}}.
+    Same text, so the rounds face the same targets; what remains is the drafter's numerics in each engine."""
+    bench_of = {}
+    for b, p in zip(doc["benchmark_of"], doc["prompt_ids"]):
+        bench_of.setdefault(tuple(p), b)
+    per: dict = {}
+    for (name, p, _), r in zip(jobs, results):
+        per.setdefault(name, {}).setdefault(bench_of[tuple(p)], []).append(r["tau"])
     out = {}
-    some = next(iter(eval_doc["results"].values()))["T0"]
-    for name, per in doc["tau_per_benchmark_c1"].items():
-        if name not in some:
-            continue
-        rows = {b: {"sglang": t, "engine": eval_doc["results"][b]["T0"][name]["tau_mean"]} for b, t in per.items()}
+    for name, by_b in per.items():
+        rows = {b: {"sglang": doc["tau_per_benchmark_c1"][name][b], "engine": sum(t) / len(t)}
+                for b, t in by_b.items()}
         for r in rows.values():
             r["ratio"] = r["sglang"] / r["engine"]
         out[name] = {"per_benchmark": rows, "max_rel_diff": max(abs(r["ratio"] - 1) for r in rows.values()),
-                     "engine_dtype": eval_doc["dtype"]}
+                     "engine_dtype": engine_dtype, "requests": sum(len(t) for t in by_b.values()),
+                     "method": "the engine replays SGLang's own concurrency-1 outputs (Engine.generate forced=)"}
     return out
 
 

@@ -35,3 +35,32 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     assert "--agreement-drafters ['dspine']" in capsys.readouterr().err
     assert main(["bench", "--backend", "sglang"]) == 2
     assert "needs SGLang" in capsys.readouterr().err
+
+
+def test_replay_agreement_on_another_engines_outputs(tiny):
+    """The SGLang bench's τ agreement: dspine's engine replays the outputs a server returned (here: the engine's
+    own free run standing in for SGLang's) and τ per benchmark is set beside the server's."""
+    from conftest import brief_train
+    from dspine.engine import Engine
+    from dspine.evaluate import replay
+    from dspine.sampling import SamplingParams
+    from dspine.sglang_bench import replay_agreement, replay_jobs
+
+    target, pairs = tiny
+    drafter = brief_train(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=8,
+                                                      top_k=4, seed=4), target, pairs[4:], steps=40)
+    eng = Engine(target, drafter)
+    prompts = [ids[:start] for ids, start in pairs[:4]]
+    free = [eng.generate(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts]
+    bench_of = ["gsm8k", "gsm8k", "mbpp", "mbpp"]
+    doc = {"prompt_ids": prompts, "outputs_c1": {"dspine": [r.token_ids for r in free]}, "benchmark_of": bench_of,
+           "tau_per_benchmark_c1": {"dspine": {b: sum(r.stats.tau for r, bb in zip(free, bench_of) if bb == b) / 2
+                                               for b in ("gsm8k", "mbpp")}}}
+    jobs = replay_jobs(doc, ["dspine"])
+    res = replay(target, {"dspine": drafter}, jobs, progress=False)
+    agree = replay_agreement(doc, jobs, res, "float32")["dspine"]
+    assert set(agree["per_benchmark"]) == {"gsm8k", "mbpp"} and agree["requests"] == 4
+    # the same text and the same drafter: only the last round of a request may differ (drafts past the end)
+    for r, f in zip(res, free):
+        assert r["rounds"] == f.stats.rounds and r["accepted"] <= f.stats.accepted
+    assert agree["max_rel_diff"] < 0.25 and all(v["ratio"] >= 1.0 for v in agree["per_benchmark"].values())

@@ -106,3 +106,30 @@ def test_batched_real_target_greedy_equals_ar(smollm2, smollm2_drafters, real_ar
     assert [g.token_ids for g in got] == [real_ar[p].token_ids for p in CHAT_PROMPTS]
     got = generate_batch(Engine(smollm2), CHAT_PROMPTS[:3], REAL_PARAMS)
     assert [g.token_ids for g in got] == [real_ar[p].token_ids for p in CHAT_PROMPTS[:3]]
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspine"])
+def test_forced_continuation_replays_the_same_rounds(tiny, method):
+    """`generate(forced=...)` (how the engine measures τ on SGLang's own outputs): on the target's own greedy
+    output it reproduces the speculative run — the tokens and every round's acceptance but the last, where a
+    free run may accept drafts past max_tokens (cut off) and the given text has nothing to match them with —;
+    on another text it commits that text, drafts accepted only where they match it."""
+    target, pairs = tiny
+    drafter = brief_train(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8,
+                                                      top_k=4, seed=4), target, pairs[4:], steps=40)
+    spec, params = Engine(target, drafter), SamplingParams(max_tokens=40, ignore_eos=True)
+    for ids, start in pairs[:3]:
+        free = spec.generate(ids[:start], params)
+        forced = spec.generate(ids[:start], params, forced=free.token_ids)
+        assert forced.token_ids == free.token_ids and forced.stats.rounds == free.stats.rounds
+        diff = [a - b for a, b in zip(free.stats.accept_hist, forced.stats.accept_hist)]
+        assert sum(map(abs, diff)) <= 2 and forced.stats.accepted <= free.stats.accepted  # the last round only
+        other = list(free.token_ids)
+        other[5] = (other[5] + 1) % target.info.vocab_size  # a text the target would not write
+        replayed = spec.generate(ids[:start], params, forced=other)
+        assert replayed.token_ids == other  # not the target's own choice at index 5
+        # every token of the text committed once: the prefill's, then n drafts + 1 per round (the last round's
+        # bonus falls past the end when its drafts reach it)
+        assert len(other) <= replayed.stats.accepted + replayed.stats.rounds + 1 <= len(other) + 1
+    with pytest.raises(Exception, match="forced continuation needs greedy"):
+        spec.generate(pairs[0][0][:4], SamplingParams(temperature=1.0), forced=[1, 2])

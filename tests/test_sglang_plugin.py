@@ -107,11 +107,58 @@ def test_flat_layout_forward_and_proposal_match_dspine(method):
     assert torch.equal(eager.view(N, B - 1), want)
 
 
-def test_round_timing_file(tmp_path):
-    """The timing file SGLang's servers write (read by `dspine bench --backend sglang`): per-round means."""
-    from dspine.sglang_plugin.timing import write_means
+def test_round_timing_totals_and_split(tmp_path):
+    """The plugin's round timer (CUDA events in SGLang; here events on a simulated GPU clock): decode rounds and
+    prefills are told apart, the draft and verify spans inside a round are summed, only events the GPU has
+    passed are read (never a blocking sync), a prefill flushes, and the file holds totals whose difference
+    gives the split of the rounds in between (what `dspine bench --backend sglang` reports per concurrency)."""
+    from types import SimpleNamespace
 
-    doc = write_means(tmp_path / "t" / "dspine.json", {"rounds": 4, "round": 16.0, "draft": 6.0, "verify": 8.0})
-    assert doc == json.loads((tmp_path / "t" / "dspine.json").read_text())
-    assert doc["round_ms"] == 4.0 and doc["draft_ms"] == 1.5 and doc["verify_ms"] == 2.0 and doc["glue_ms"] == 0.5
+    from dspine.sglang_plugin import timing
+
+    clock = {"enqueued": 0.0, "gpu": 0.0}
+
+    class Event:  # recorded at the enqueue clock; complete once the simulated GPU has passed it
+        def __init__(self):
+            self.t = clock["enqueued"]
+
+        def query(self):
+            return self.t <= clock["gpu"]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    def mode(extend):
+        return SimpleNamespace(is_idle=lambda: False, is_extend=lambda: extend)
+
+    path = tmp_path / "t" / "dspine.json"
+    timer = timing.RoundTimer(str(path), every=3, event=Event)
+    worker = SimpleNamespace(draft_model_runner=object())
+
+    def spend(ms):
+        clock["enqueued"] += ms
+
+    def decode_round(w, batch):  # 1 ms glue, 2 ms draft, 3 ms verify, 0.5 ms glue
+        spend(1.0)
+        timer.draft(lambda r: spend(2.0), w.draft_model_runner)
+        timer.draft(lambda r: spend(7.0), object())  # another runner (the target's): not a draft span
+        timer.verify(lambda tw, is_verify: spend(3.0), None, is_verify=True)
+        spend(0.5)
+
+    for _ in range(2):
+        timer.round(decode_round, worker, SimpleNamespace(forward_mode=mode(False)))
+    assert not path.exists()  # fewer than `every` events: nothing read yet
+    timer.round(lambda w, b: spend(4.0), worker, SimpleNamespace(forward_mode=mode(True)))  # a prefill
+    assert not path.exists()  # the GPU has not passed the rounds yet: flushing does not wait for them
+    clock["gpu"] = clock["enqueued"]
+    timer.round(decode_round, worker, SimpleNamespace(forward_mode=mode(False)))  # 4th event: read 3, keep 1
+    first = json.loads(path.read_text())
+    assert first["totals"]["rounds"] == 2 and first["totals"]["extends"] == 1 and len(timer.pending) == 1
+    assert first["round_ms"] == 13.5 and first["draft_ms"] == 2.0 and first["verify_ms"] == 3.0
+    assert first["glue_ms"] == 8.5 and first["extend_total_ms"] == 4.0  # the other runner's 7 ms is glue
+    clock["gpu"] = clock["enqueued"]
+    timer.round(lambda w, b: spend(1.0), worker, SimpleNamespace(forward_mode=mode(True)))  # flushes the round
+    second = json.loads(path.read_text())
+    between = timing.split(second["totals"], first["totals"])
+    assert between["rounds"] == 1 and between["extends"] == 0 and between["round_ms"] == 13.5
     assert [p.name for p in (tmp_path / "t").iterdir()] == ["dspine.json"]  # no temp file left behind
