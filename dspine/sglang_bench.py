@@ -91,6 +91,8 @@ class SGLangServer:
         self.startup_s: float | None = None
 
     def wait(self, timeout: float = 600) -> "SGLangServer":
+        if self.startup_s is not None:  # already serving
+            return self
         try:
             wait_http(self.base + "/health_generate", self.proc, max(1.0, timeout - (time.time() - self.t0)))
         except RuntimeError as e:
@@ -173,9 +175,11 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
 
     started: dict[str, SGLangServer] = {}
     try:
-        if parallel_start:
+        if parallel_start:  # all up before the first measurement: a starting server loads the GPU and CPUs
             for name in variants:
                 started[name] = launch(name)
+            for srv in started.values():
+                srv.wait()
         bar = tqdm(total=len(variants) * (1 + len(concurrencies)), desc="sglang bench", disable=not progress)
         for name, (draft, _) in variants.items():
             if name not in started:
