@@ -75,7 +75,7 @@ def walk_sample(cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, pa
     return torch.stack(toks, 1), torch.stack(qs, 1)
 
 
-def _scores(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, codes: torch.Tensor, h_pre: torch.Tensor,
+def scores_table(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, codes: torch.Tensor, h_pre: torch.Tensor,
             f: torch.Tensor, cand: torch.Tensor, fast: bool) -> torch.Tensor:
     """transition_scores, or its fused kernel; no slot >= 2 (B = 2) -> an empty table."""
     N, Bm1, K = cand.shape
@@ -95,7 +95,7 @@ def greedy_transition_walk(logits: torch.Tensor, inj: Injection, norm: torch.nn.
     plugin's greedy proposal."""
     fast = kernels.enabled(logits)
     cand = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices  # (N, B-1, K)
-    S = _scores(inj, norm, head, codes, h_pre, f, cand, fast)
+    S = scores_table(inj, norm, head, codes, h_pre, f, cand, fast)
     if fast:
         from kernels.transition import fused_walk_greedy
 
@@ -130,7 +130,7 @@ def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
     hit = cand[:, 0] == x1[:, None]
     first_idx = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(x1, K - 1))
     cand[:, 0] = cand[:, 0].scatter(1, first_idx[:, None], x1[:, None])
-    S = _scores(*state, cand, fast)
+    S = scores_table(*state, cand, fast)
     if fast:  # the kernel samples by inverse CDF from uniforms drawn here, on the request's generator
         from kernels.transition import fused_walk_sample
 

@@ -51,12 +51,40 @@ NAMES: dict[str, list[str]] = {
 }
 
 
-def missing_names(wheel: str | Path) -> dict[str, list[str]]:
-    """{file: [patterns absent]} for one SGLang wheel (read as a zip; nothing is imported)."""
+# names the plugin uses only from a release on: DFLASH's candidate-selector contract (>= 0.5.23), through which
+# SGLang walks DSpine's transition lattice itself (models/dspine_draft.py, core.DSpineSelector)
+SINCE: dict[str, dict[str, list[str]]] = {"0.5.23": {
+    "sglang/srt/models/dflash.py": [
+        r"class CandidateSelector\b", r"def sample_path\(\s*self,\s*\*,\s*candidate_ids", r"greedy_mask",
+        r"self\.candidate_selector: Optional\[nn\.Module\] = None", r"def build_lattice\(",
+    ],
+    "sglang/srt/speculative/dflash_worker_v2.py": [
+        r"self\.selector = self\.draft_model\.candidate_selector", r"draft_model\.compute_candidates\(",
+        r"draft_model\.candidate_selector\.build_lattice\(", r"self\.draft_model\.lm_head = lm_head",
+        r"class _SelectorDraftSampler\b", r"self\.q_out", r"def _propose_selector_block\(",
+    ],
+}}
+
+
+def names_for(version: str) -> dict[str, list[str]]:
+    """NAMES plus what the plugin uses from releases up to `version`."""
+    key = tuple(int(x) for x in version.split("."))
+    out = {path: list(p) for path, p in NAMES.items()}
+    for since, extra in SINCE.items():
+        if tuple(int(x) for x in since.split(".")) <= key:
+            for path, patterns in extra.items():
+                out.setdefault(path, []).extend(patterns)
+    return out
+
+
+def missing_names(wheel: str | Path, version: str | None = None) -> dict[str, list[str]]:
+    """{file: [patterns absent]} for one SGLang wheel (read as a zip; nothing is imported); `version` (else
+    the wheel's file name) adds the names of SINCE that release."""
+    version = version or Path(wheel).name.split("-")[1]
     out: dict[str, list[str]] = {}
     with zipfile.ZipFile(wheel) as z:
         present = set(z.namelist())
-        for path, patterns in NAMES.items():
+        for path, patterns in names_for(version).items():
             if path not in present:
                 out[path] = ["<file missing>"]
                 continue

@@ -38,3 +38,13 @@ def test_the_check_notices_a_missing_name(tmp_path):
     gone = missing_names(fake)
     assert "self\\.hidden_norm\\s*=" in gone["sglang/srt/models/dflash.py"]
     assert set(gone) == set(NAMES)
+
+
+def test_names_since_a_release_are_required_from_it_on():
+    """The candidate-selector contract (SGLang >= 0.5.23) is checked for 0.5.23 and absent from 0.5.17: the
+    plugin takes the selector path only where it exists."""
+    from dspine.sglang_compat import SINCE
+
+    gone = missing_names(_wheel("0.5.17"), "0.5.23")
+    want = {path: set(p) for path, p in SINCE["0.5.23"].items()}
+    assert {path: set(p) & want[path] for path, p in gone.items()} == want

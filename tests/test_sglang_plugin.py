@@ -18,8 +18,9 @@ from dspine.decoding import propose
 from dspine.drafter import DSpineDraftModel
 from dspine.export import export_sglang
 from dspine.sampling import SamplingParams
-from dspine.sglang_plugin.core import (DSpineDraftSampler, inject_flat, parse_dspine_config, propose_from_state,
-                                       split_weights)
+from dspine.decoding import transition_scores
+from dspine.sglang_plugin.core import (DSpineDraftSampler, DSpineSelector, candidates, inject_flat,
+                                       parse_dspine_config, propose_from_state, split_weights)
 
 
 def test_entry_point_is_declared_and_loads_without_sglang():
@@ -98,6 +99,30 @@ def test_flat_layout_forward_and_proposal_match_dspine(method):
         sampler(d.norm(h), flat_ids)
     got = sampler.out[: N * (B - 1)].view(N, B - 1)
     assert torch.equal(got, want)
+
+    # SGLang >= 0.5.23: the same transition cache offered as DFLASH's candidate-selector lattice, which SGLang
+    # walks itself (greedy, or sampled with q): its greedy walk gives the same tokens
+    K = cfg.top_k
+    model.lm_head = SimpleNamespace(weight=d.head)
+    with torch.no_grad():
+        slots = d.norm(h).view(N, B, -1)[:, 1:]
+        cand, unary = candidates(slots.reshape(N * (B - 1), -1), d.head, K)
+        cand, unary = cand.view(N, B - 1, K), unary.view(N, B - 1, K)
+        sel = DSpineSelector(model, sample_path=lambda self, **kw: (self, kw))
+        lattice = sel.build_lattice(candidate_ids=cand, unary_logits=unary, hidden_states=slots,
+                                    anchor_token_ids=flat_ids.view(N, B)[:, 0])
+        want_S = transition_scores(d.injections[str(last)], d.norm, d.head, d.transfer_codes,
+                                   state["h_pre"].view(N, B, -1), state["f"].view(N, B, -1), cand)
+    assert lattice.shape == (N, B - 1, K, K) and lattice.dtype == torch.float32
+    torch.testing.assert_close(lattice[:, 1:], want_S, rtol=0, atol=0)
+    assert torch.equal(lattice[:, 0], unary[:, :1].expand(N, K, K))  # slot 1: its own logits, whatever p
+    rows, idx = torch.arange(N), lattice[:, 0, 0].argmax(-1)
+    path = [idx]
+    for e in range(1, B - 1):  # SGLang's greedy walk: argmax along the row of the chosen predecessor
+        idx = lattice[rows, e, idx].argmax(-1)
+        path.append(idx)
+    assert torch.equal(cand.gather(-1, torch.stack(path, 1)[..., None])[..., 0], want)
+    assert sel.sample_path(uniforms=1) == (sel, {"uniforms": 1}) and sel.top_k == K  # SGLang's own walk
     # the proposal is not just DFlash's per-slot argmax: the walk changed at least one slot here
     with torch.no_grad():
         argmax = d.logits(ref.hidden[:, 0, 1:]).argmax(-1)

@@ -18,8 +18,10 @@ to re-enter every one of those. The proposal step is the only behaviour DSpine c
 
 Sampling (temperature > 0): SGLang 0.5.17's DFlash verifier is target-only — drafts are treated as point
 masses, accepted with probability p(x) and resampled from norm(max(0, p − δ_x)) — which is exact for a
-deterministic proposal such as the greedy walk. The sampled walk with its proposal q (dspine.decoding) needs a
-verifier that takes q: 0.5.23's DFlash2 candidate-selector contract is where it goes.
+deterministic proposal such as the greedy walk. From 0.5.23 on, DFLASH has a candidate-selector contract
+whose verifier takes the proposal q over K candidates per slot: the model then exposes the transition cache as
+that selector (core.DSpineSelector) and these hooks stand aside, so the sampled walk with its real q is
+verified by SGLang itself.
 
 With DSPINE_SGLANG_TIMING=FILE, timing.py also times every decode round, its draft forward and its target
 verify with CUDA events (`dspine bench --backend sglang` sets it and reports the split).
@@ -45,7 +47,10 @@ SGLANG_TARGETS = {"build_sampler": f"{WORKER}._maybe_build_draft_sampler",
 
 
 def _is_dspine(worker) -> bool:
-    return hasattr(getattr(worker, "draft_model", None), "dspine_state")
+    """A DSpine drafter on a worker without the candidate-selector contract (0.5.17): the hooks propose.
+    With the contract (>= 0.5.23, `worker.selector`) SGLang walks DSpine's lattice itself."""
+    return (hasattr(getattr(worker, "draft_model", None), "dspine_state")
+            and getattr(worker, "selector", None) is None)
 
 
 def _build_sampler(original, self, *args, **kwargs):

@@ -1,6 +1,7 @@
 """The plugin's SGLang-free parts, tested on CPUs: the `dspine_config` section, the weight split between
-SGLang's DFlash loader and DSpine's own modules, the injection on SGLang's flat token layout, and the
-block proposal (transition cache + greedy walk) that runs where SGLang's DFlash takes its argmax.
+SGLang's DFlash loader and DSpine's own modules, the injection on SGLang's flat token layout, the block
+proposal (transition cache + greedy walk) that runs where SGLang 0.5.17's DFlash takes its argmax, and the
+transition lattice SGLang >= 0.5.23 walks itself (greedy, or sampled with q for its verifier).
 
 SGLang lays the draft block out flat: `bs * B` rows, block b at rows [b*B, (b+1)*B), slot 0 the anchor (the
 bonus token). Everything here reshapes that view; nothing allocates per call beyond what torch ops return,
@@ -17,7 +18,7 @@ import torch.nn as nn
 import kernels
 
 from ..config import ConfigError, from_dict
-from ..decoding import greedy_transition_walk
+from ..decoding import greedy_transition_walk, scores_table
 from ..drafter import VARIANTS, Injection
 from ..export import INJECTION
 
@@ -125,3 +126,40 @@ class DSpineDraftSampler:
         slots = hidden_states.view(-1, B, hidden_states.shape[-1])[:, 1:]
         toks = propose_from_state(self.model, slots, self.head)
         self.out[: toks.shape[0]].copy_(toks)
+
+
+def candidates(hidden: torch.Tensor, head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (N, d) normed draft states, head (V, d) -> top-K ids (N, K) and their logits (N, K), fp32: the
+    candidate sets C_t and unconditioned scores of SGLang >= 0.5.23's `compute_candidates` contract."""
+    vals, ids = torch.matmul(hidden, head.t().to(hidden.dtype)).topk(top_k, dim=-1)
+    return ids, vals.float()
+
+
+class DSpineSelector:
+    """DSpine's transition cache in the shape of SGLang >= 0.5.23's DFLASH candidate selector
+    (`draft_model.candidate_selector`: `top_k`, `build_lattice`, `sample_path`). SGLang then walks the lattice
+    itself inside the draft CUDA graph — greedy, or sampled at the request's temperature with the proposal q
+    over the K candidates handed to its verifier, which makes T > 0 lossless against the real q.
+    `sample_path` is SGLang's own walk, passed in by the model module (the one SGLang-version-specific part)."""
+
+    def __init__(self, model, sample_path=None):
+        self.model, self._sample_path = model, sample_path
+        self.top_k = int(model.dspine.top_k)
+
+    def build_lattice(self, *, candidate_ids: torch.Tensor, unary_logits: torch.Tensor,
+                      hidden_states: torch.Tensor, anchor_token_ids: torch.Tensor) -> torch.Tensor:
+        """candidate_ids / unary_logits (bs, B-1, K) of slots 1..B-1, hidden_states (bs, B-1, d) -> scores
+        (bs, B-1, K, K), score[b, e, p, c] for candidate c of slot e+1 after candidate p of slot e: slot 1's row
+        is its own logits whatever p (its predecessor, the anchor, is decoded: the injection already used it);
+        slots >= 2 are S_t[p, c] from the redone last write (decoding.transition_scores / its fused kernel)."""
+        bs, Bm1, K = candidate_ids.shape
+        m, st = self.model, self.model.dspine_state
+        last = str(max(m.inject_layers))
+        S = scores_table(m.injections[last], m.norm_for_scores, m.lm_head.weight, m.transfer_codes,
+                    st["h_pre"].view(bs, Bm1 + 1, -1), st["f"].view(bs, Bm1 + 1, -1), candidate_ids,
+                    kernels.enabled(hidden_states))
+        first = unary_logits[:, :1, None, :].float().expand(bs, 1, K, K)
+        return torch.cat([first, S.float()], dim=1)
+
+    def sample_path(self, **kw):
+        return self._sample_path(self, **kw)

@@ -4,6 +4,11 @@ injecting layers and the state the transition-cache proposal needs.
 
 SGLang finds this module through `ModelRegistry.register("dspine.sglang_plugin.models")` (the plugin's
 entry point) and builds it for checkpoints whose `architectures` is ["DSpineDraftModel"].
+
+Where SGLang has DFLASH's candidate-selector contract (>= 0.5.23: `draft_model.candidate_selector`,
+`compute_candidates`, a `lm_head` the worker points at the target's), the model offers the transition cache
+through it (core.DSpineSelector) and SGLang proposes and verifies — greedy or sampled with q — by itself;
+on 0.5.17 the plugin's sampler hook proposes (greedy walk). This import is the version switch.
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ from sglang.srt.models.dflash import DFlashDraftModel
 from sglang.srt.runtime_context import get_parallel
 
 from dspine.drafter import Injection, RMSNorm
-from dspine.sglang_plugin.core import inject_flat, parse_dspine_config, split_weights
+from dspine.sglang_plugin.core import DSpineSelector, candidates, inject_flat, parse_dspine_config, split_weights
+
+try:  # SGLang >= 0.5.23
+    from sglang.srt.models.dflash import CandidateSelector as _SGLangSelector
+except ImportError:  # 0.5.17
+    _SGLangSelector = None
 
 
 class DSpineDraftModel(DFlashDraftModel):
@@ -35,6 +45,14 @@ class DSpineDraftModel(DFlashDraftModel):
         score_norm.weight = self.norm.weight
         object.__setattr__(self, "norm_for_scores", score_norm)
         self.dspine_state: dict[str, torch.Tensor] = {}
+        if _SGLangSelector is not None:
+            self.lm_head = None  # the worker points it at the target's head before capture
+            self.candidate_selector = DSpineSelector(self, sample_path=_SGLangSelector.sample_path)
+
+    def compute_candidates(self, hidden: torch.Tensor):
+        """SGLang >= 0.5.23: hidden (N, d) -> candidate ids (N, K), their logits (N, K) fp32."""
+        head = self.lm_head.weight[: self.transfer_codes.shape[0]]  # rows past the vocabulary: padding
+        return candidates(hidden, head, self.candidate_selector.top_k)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False,
