@@ -227,3 +227,31 @@ def test_pause_after_a_time_limit_then_resume_equals_a_straight_run(tiny, tmp_pa
     for m in straight:
         a, b = straight[m].state_dict(), resumed[m].state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a), m
+
+
+def test_simulated_tau_counts_what_the_walk_can_pick(tiny):
+    """DSpine's simulated τ takes, for slots >= 2, the best redone score among the slot's top-K unconditioned
+    candidates — what the transition-cache walk can pick —, never more than a full-vocabulary pick; with
+    K = V the two agree."""
+    import random
+
+    from dspine.train import FeatureSource, drafter_losses, make_batch
+
+    target, pairs = tiny
+    d = perturb_writes(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=8),
+                       std=0.3)
+    train_drafter(d, target, pairs, TrainConfig(steps=30, batch_size=4, anchors_per_seq=6, gamma=4.0,
+                                                warmup_steps=2, lr=3e-3, eval_every=10**9), progress=False)
+    batch = make_batch(pairs[:8], 12, 8, 256, random.Random(0))
+    src = FeatureSource(target, [d])
+    feats = src.select(src(batch.ids), d)
+    taus = {}
+    with torch.no_grad():
+        for k in (1, 2, target.info.vocab_size):
+            d.config.top_k = k
+            r = drafter_losses(d, feats, batch)
+            taus[k] = (r["tau_sim"], r["tau_sim_full_vocab"])
+    V = target.info.vocab_size
+    assert taus[V][0] == taus[V][1]  # every token a candidate: the same pick
+    assert all(t <= full for t, full in taus.values())
+    assert taus[1][0] < taus[1][1]  # one candidate per slot: the walk cannot follow the redone write
