@@ -87,7 +87,7 @@ def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperat
 
     workers > 1 runs items in that many processes (the engine is batch-1 and launch-bound, so on a GPU
     several processes share it well); they rebuild the models from `target_spec` = (spec, dtype, device)
-    and `drafter_paths` (name -> checkpoint folder). Results are identical to workers=1. `max_turns` asks
+    and `drafter_paths` (name -> checkpoint folder, or (folder, decode knobs): `load_at`). Results are identical to workers=1. `max_turns` asks
     only the first turns of multi-turn items (MT-Bench) — what a single-turn server benchmark sends.
     """
     import dataclasses
@@ -182,7 +182,6 @@ _ENGINES: dict = {}
 
 
 def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int) -> None:
-    from .checkpoint import load_drafter
     from .target import load_target
 
     torch.set_num_threads(threads)
@@ -190,7 +189,26 @@ def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int) -> None:
     target = load_target(spec, dtype=getattr(torch, dtype), device=device)
     _ENGINES["ar"] = Engine(target)
     for n, p in drafter_paths.items():
-        _ENGINES[n] = Engine(target, load_drafter(p, target, dtype=getattr(torch, dtype), device=device))
+        _ENGINES[n] = Engine(target, load_at(p, target, getattr(torch, dtype), device))
+
+
+DECODE_KNOBS = ("top_k",)  # drafter config fields that only decoding reads: a checkpoint serves any value
+
+
+def load_at(spec, target, dtype, device):
+    """A checkpoint folder, or (folder, {decode knob: value}) -> the drafter, e.g. decoded with another
+    transition-cache width than it was trained with."""
+    from .checkpoint import load_drafter
+
+    path, knobs = (spec, {}) if isinstance(spec, (str, Path)) else spec
+    bad = set(knobs) - set(DECODE_KNOBS)
+    if bad:
+        raise ValueError(f"{sorted(bad)} are not decode-time settings (those are {list(DECODE_KNOBS)})")
+    d = load_drafter(path, target, dtype=dtype, device=device)
+    for k, v in knobs.items():
+        setattr(d.config, k, v)
+    d.config.validate()
+    return d
 
 
 def _worker_item(item, temperatures, max_new_tokens, seed):

@@ -24,9 +24,8 @@ import torch
 
 from workloads import BENCHMARKS, load_prompts
 
-from .checkpoint import load_drafter
 from .drafter import DSpineConfig, DSpineDraftModel
-from .evaluate import evaluate, write_results
+from .evaluate import evaluate, load_at, write_results
 from .io import atomic_write_text
 from .regen import load_samples, regenerate_dataset
 from .target import load_target
@@ -67,6 +66,7 @@ class RecipeConfig:
     eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     eval_workers: int = 8
     eval_ablations: bool = False
+    eval_top_k: list[int] = field(default_factory=list)  # extra rows: dspine decoded with these walk widths
 
     def validate(self) -> None:
         from .config import ConfigError
@@ -77,6 +77,8 @@ class RecipeConfig:
         bad = [m for m in [*self.methods, *(a.method for a in self.ablations.values())] if m not in METHODS]
         if bad:
             raise ConfigError(f"recipe: unknown method(s) {bad}; known: {list(METHODS)}")
+        if self.eval_top_k and ("dspine" not in self.methods or min(self.eval_top_k) < 1):
+            raise ConfigError("recipe.eval_top_k: widths >= 1 for the dspine drafter (methods must include dspine)")
         known = {f.name for f in dataclasses.fields(DSpineConfig)} - {"method"}
         for name, a in self.ablations.items():
             if set(a.drafter) - known:
@@ -169,11 +171,12 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
     dtype = getattr(torch, cfg.dtype)
     target = load_target(cfg.target, dtype=dtype, device=cfg.device)
     names = [*cfg.methods, *(cfg.ablations if cfg.eval_ablations else [])]
-    paths = {m: work / m / "best" for m in names}
-    drafters = {m: load_drafter(p, target, dtype=dtype, device=cfg.device) for m, p in paths.items()}
+    specs: dict = {m: str(work / m / "best") for m in names}
+    specs.update({f"dspine_k{k}": (specs["dspine"], {"top_k": k}) for k in cfg.eval_top_k})
+    drafters = {m: load_at(p, target, dtype, cfg.device) for m, p in specs.items()}
     doc = evaluate(target, drafters, cfg.eval_benchmarks, cfg.eval_limit, cfg.eval_temperatures,
                    cfg.eval_max_new_tokens, progress=progress, workers=cfg.eval_workers,
-                   target_spec=(cfg.target, cfg.dtype, cfg.device), drafter_paths={m: str(p) for m, p in paths.items()})
+                   target_spec=(cfg.target, cfg.dtype, cfg.device), drafter_paths=specs)
     doc["recipe"] = asdict(cfg)
     rep = work / "train_report.json"
     if rep.is_file():

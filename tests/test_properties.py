@@ -203,6 +203,20 @@ def test_recipe_config_rejects_bad_ablations():
         from_dict(RecipeConfig, {"ablations": {"dspine": {}}})
     with pytest.raises(ConfigError, match="unknown key"):
         from_dict(RecipeConfig, {"ablations": {"x": {"methd": "dspine"}}})
+    with pytest.raises(ConfigError, match="eval_top_k"):
+        from_dict(RecipeConfig, {"methods": ["dflash"], "eval_top_k": [16]})
+
+
+def test_a_checkpoint_decodes_with_another_walk_width(tmp_path):
+    """`load_at`: the transition cache's width is a decode-time setting (other settings are refused)."""
+    from dspine.evaluate import load_at
+
+    target = tiny_target("llama")
+    path = save_drafter(DSpineDraftModel.for_target(target, num_hidden_layers=1, block_size=4, top_k=8), tmp_path / "d")
+    assert load_at(str(path), target, torch.float32, "cpu").config.top_k == 8
+    assert load_at((str(path), {"top_k": 3}), target, torch.float32, "cpu").config.top_k == 3
+    with pytest.raises(ValueError, match="not decode-time"):
+        load_at((str(path), {"block_size": 8}), target, torch.float32, "cpu")
 
 
 def test_pause_after_a_time_limit_then_resume_equals_a_straight_run(tiny, tmp_path):
