@@ -415,7 +415,7 @@ def cmd_bench(a) -> int:
     from pathlib import Path
 
     from .bench import bench_table, engine_bench
-    from .io import atomic_write_text
+    from .io import atomic_write_text, json_text
 
     benches = _benchmark_names(a.benchmarks)
     if a.limit <= 0 or a.max_new_tokens <= 0:
@@ -430,7 +430,7 @@ def cmd_bench(a) -> int:
                            concurrencies=conc)
     table = bench_table(doc)
     if a.out:
-        atomic_write_text(Path(a.out), json.dumps(doc, indent=1) + "\n")
+        atomic_write_text(Path(a.out), json_text(doc))
         atomic_write_text(Path(a.out).with_suffix(".md"), table)
     print(table)
     return 0

@@ -23,7 +23,7 @@ from workloads import load_benchmark
 
 from .checkpoint import config_to_json
 from .engine import Engine
-from .io import atomic_write_text
+from .io import atomic_write_text, json_text
 from .sampling import SamplingParams
 from .stats import AcceptanceStats, summarize
 
@@ -265,6 +265,6 @@ def markdown_table(doc: dict) -> str:
 def write_results(doc: dict, out: str | Path) -> Path:
     """JSON + a Markdown table beside it (temp files, then renames)."""
     out = Path(out)
-    atomic_write_text(out, json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(out, json_text(doc))
     atomic_write_text(out.with_suffix(".md"), markdown_table(doc))
     return out

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -25,3 +27,12 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+_NUMBER_LIST = re.compile(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]")
+
+
+def json_text(doc) -> str:
+    """Indented JSON whose lists of plain numbers (token ids, histograms) stay on one line each."""
+    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]",
+                            json.dumps(doc, indent=1)) + "\n"

@@ -1,6 +1,8 @@
 """Properties of the method's parts: whitened codes, zero writes = DFlash, transition cache = naive
 recomputation, exact checkpoint round trip, acceptance stats, sampling warp, typed configs."""
 
+import json
+
 import pytest
 import torch
 
@@ -269,3 +271,12 @@ def test_simulated_tau_counts_what_the_walk_can_pick(tiny):
     assert taus[V][0] == taus[V][1]  # every token a candidate: the same pick
     assert all(t <= full for t, full in taus.values())
     assert taus[1][0] < taus[1][1]  # one candidate per slot: the walk cannot follow the redone write
+
+
+def test_result_json_keeps_number_lists_on_one_line():
+    from dspine.io import json_text
+
+    doc = {"ids": [[1, 2, 3], [4]], "hist": [0, -1, 2.5e-07], "names": ["a", "b"], "nested": {"x": [7]}}
+    text = json_text(doc)
+    assert json.loads(text) == doc
+    assert "[1, 2, 3]" in text and "[0, -1, 2.5e-07]" in text and '"a",' in text  # strings stay one per line
