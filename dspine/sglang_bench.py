@@ -1,16 +1,18 @@
 """`dspine bench --backend sglang`: AR, DFlash and DSpine served by SGLang (the dspine plugin for DSpine),
 each measured in the same run with the same flags, at several concurrencies.
 
-Per server (AR first, then each drafter): launch `sglang.launch_server` on 127.0.0.1 with the target and the
-drafter's SGLang export; measure prefill time per prompt (max_new_tokens=1, concurrency 1); then run the prompt
+All servers (AR, then each drafter) are launched side by side — `sglang.launch_server` on 127.0.0.1 with the
+target and the drafter's SGLang export — and, once all serve, measured one at a time: prefill time per prompt (max_new_tokens=1, concurrency 1); then run the prompt
 set at each concurrency through `/generate` (token ids in, so every backend sees the same tokens).
 - throughput: completion tokens / wall time, per concurrency;
 - τ per request from SGLang's meta_info counts (`spec_num_correct_drafts`, `spec_verify_ct`) with dspine's one
-  definition (stats.tau_of), per benchmark at concurrency 1 — comparable with `dspine eval` on the same items;
+  definition (stats.tau_of), per benchmark at concurrency 1; the concurrency-1 outputs are kept, so dspine's
+  engine can replay them (`replay_agreement`: τ on the very same text);
 - round cost at concurrency 1: (latency − prefill) / verify rounds, against the AR step (latency − prefill) /
   (tokens − 1) of the AR server;
-- the round split into draft forward (drafter layers, injection and proposal: one CUDA graph), target verify
-  and glue, from CUDA events inside SGLang (the plugin's timing hooks, DSPINE_SGLANG_TIMING), at concurrency 1;
+- per concurrency, the round split into draft forward (drafter layers, injection and proposal: one CUDA graph),
+  target verify and glue, the prefills' GPU time and the wall time outside both, from CUDA events inside SGLang
+  (the plugin's timing hooks, DSPINE_SGLANG_TIMING; totals read after a one-token marker request);
 - greedy outputs: the match rate of each server and concurrency with AR at concurrency 1, AR's own rate
   beside it (bf16 near-ties flip between batch shapes; SGLang's own variance is the yardstick).
 """
