@@ -75,8 +75,8 @@ def walk_sample(cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, pa
     return torch.stack(toks, 1), torch.stack(qs, 1)
 
 
-def scores_table(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, codes: torch.Tensor, h_pre: torch.Tensor,
-            f: torch.Tensor, cand: torch.Tensor, fast: bool) -> torch.Tensor:
+def scores_table(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, codes: torch.Tensor,
+                 h_pre: torch.Tensor, f: torch.Tensor, cand: torch.Tensor, fast: bool) -> torch.Tensor:
     """transition_scores, or its fused kernel; no slot >= 2 (B = 2) -> an empty table."""
     N, Bm1, K = cand.shape
     if Bm1 == 1:

@@ -87,8 +87,9 @@ def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperat
 
     workers > 1 runs items in that many processes (the engine is batch-1 and launch-bound, so on a GPU
     several processes share it well); they rebuild the models from `target_spec` = (spec, dtype, device)
-    and `drafter_paths` (name -> checkpoint folder, or (folder, decode knobs): `load_at`). Results are identical to workers=1. `max_turns` asks
-    only the first turns of multi-turn items (MT-Bench) — what a single-turn server benchmark sends.
+    and `drafter_paths` (name -> checkpoint folder, or (folder, decode knobs): `load_at`). Results are
+    identical to workers=1. `max_turns` asks only the first turns of multi-turn items (MT-Bench) — what a
+    single-turn server benchmark sends.
     """
     import dataclasses
 

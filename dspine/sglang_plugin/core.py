@@ -156,8 +156,8 @@ class DSpineSelector:
         m, st = self.model, self.model.dspine_state
         last = str(max(m.inject_layers))
         S = scores_table(m.injections[last], m.norm_for_scores, m.lm_head.weight, m.transfer_codes,
-                    st["h_pre"].view(bs, Bm1 + 1, -1), st["f"].view(bs, Bm1 + 1, -1), candidate_ids,
-                    kernels.enabled(hidden_states))
+                         st["h_pre"].view(bs, Bm1 + 1, -1), st["f"].view(bs, Bm1 + 1, -1), candidate_ids,
+                         kernels.enabled(hidden_states))
         first = unary_logits[:, :1, None, :].float().expand(bs, 1, K, K)
         return torch.cat([first, S.float()], dim=1)
 
