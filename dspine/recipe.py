@@ -4,7 +4,8 @@ data, steps, layers, block size and seed, then evaluate all three and AR on the 
 All drafters (the three methods and any ablations) train in lockstep: the same batches and anchors, one
 target forward per batch, the same schedule — "identical data and steps" by construction. Ablations are
 named variants (method + drafter-config and loss overrides) measured by held-out simulated τ in the same
-run, and through the engine with `eval_ablations`.
+run, and through the engine with `eval_ablations`. Decode-time variants need no training: `eval_top_k`
+adds rows for the dspine checkpoint decoded with other transition-cache widths.
 
 Stages, each one GPU command: `regen`, `train` (regen is resumable, so it is a no-op after `regen`),
 `eval` (the benchmark table, JSON, `bench/results/summary.json`'s acceptance section).
