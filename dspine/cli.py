@@ -478,7 +478,8 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
         from .evaluate import replay
 
         sub = {n: specs[n] for n in agree}
-        target, drafters = _load_models(a, sub)
+        # worker processes load their own models; only a single-process replay needs them here
+        target, drafters = _load_models(a, sub) if a.engine_agreement <= 1 else (None, {})
         jobs = replay_jobs(doc, agree)
         res = replay(target, drafters, jobs, progress=not a.no_progress, workers=a.engine_agreement,
                      target_spec=(a.target, a.dtype, a.device), drafter_paths=sub)

@@ -189,7 +189,7 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
             srv = started[name].wait()
             timing = out_dir / "timing" / f"{name}.json"
             prefill = [d["latency_s"] for d in _run_set(srv, prompts, 1, 1, temperature)[0]]
-            before = _timing_mark(srv, prompts[0], timing)
+            before = _timing_mark(srv, prompts[0], timing) if draft else None  # AR writes no timing file
             bar.update(1)
             outputs[name] = {}
             for c in concurrencies:
