@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, help="export folder (written atomically)")
     x.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="weights' dtype (default: %(default)s; the code table stays fp32)")
+    x.add_argument("--top-k", type=int, default=None,
+                   help="transition-cache width K the server walks (a decode-time setting; default: the "
+                        "checkpoint's)")
 
     bn = sub.add_parser("bench", help="speed of AR and drafters (embedded engine or SGLang), side by side",
                         description="Decode benchmark prompts with AR and each drafter in one run and report "
@@ -372,7 +375,7 @@ def cmd_dashboard(a) -> int:
 def cmd_export(a) -> int:
     from .export import export_sglang
 
-    print(json.dumps(export_sglang(a.drafter, a.out, _dtype(a.dtype))))
+    print(json.dumps(export_sglang(a.drafter, a.out, _dtype(a.dtype), top_k=a.top_k)))
     return 0
 
 

@@ -22,8 +22,9 @@ from kernels.transition import fused_transition_scores, fused_walk_greedy, fused
 
 DEV = "cuda" if CUDA else "cpu"
 pytestmark = [pytest.mark.gpu] if CUDA else []
-# (N, B, K, d, r, s): batch 1-32, both block sizes, every K; the first row is the real target's width
-SHAPES = [(1, 16, 8, 576, 256, 256), (3, 8, 4, 64, 32, 48), (32, 8, 16, 64, 32, 32), (5, 16, 4, 96, 64, 64)]
+# (N, B, K, d, r, s): batch 1-32, both block sizes, K 4-32; the first row is the real target's width
+SHAPES = [(1, 16, 8, 576, 256, 256), (3, 8, 4, 64, 32, 48), (32, 8, 16, 64, 32, 32), (5, 16, 4, 96, 64, 64),
+          (2, 16, 32, 64, 32, 32)]  # K = 32: the widest walk the recipe evaluates
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the largest magnitude
 
 

@@ -58,6 +58,13 @@ def test_config_and_weights_of_an_export(tmp_path, method):
         parse_dspine_config({**raw, "dspine_config": {**raw["dspine_config"], "rank": 3}})
     with pytest.raises(ConfigError, match="no dspine_config"):
         parse_dspine_config({k: v for k, v in raw.items() if k != "dspine_config"})
+    # the walk's width is a decode-time setting of the export; the weights stay the checkpoint's
+    export_sglang(tmp_path / "ckpt", tmp_path / "k16", top_k=16)
+    assert parse_dspine_config(json.loads((tmp_path / "k16" / "config.json").read_text()))[0].top_k == 16
+    assert load_file(str(tmp_path / "k16" / "model.safetensors")).keys() == weights.keys()
+    with pytest.raises(ConfigError, match="top_k"):
+        export_sglang(tmp_path / "ckpt", tmp_path / "k0", top_k=0)
+    assert not (tmp_path / "k0").exists()
 
 
 @pytest.mark.parametrize("method", ["dspine", "post_backbone"])
