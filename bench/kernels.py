@@ -2,7 +2,8 @@
 
 Per speculative round at concurrency N: the injection over all drafter layers (kernels/injection.py, both
 layouts "rows" and "split", vs dspine.drafter.Injection) and the transition cache + greedy walk
-(kernels/transition.py vs dspine.decoding.transition_scores + walk_greedy). CUDA-event timing, median of
+(kernels/transition.py vs dspine.decoding.transition_scores + walk_greedy), and the proposal head both methods
+share — logits of slots 1..B-1 then DFlash's argmax or DSpine's top-K candidates. CUDA-event timing, median of
 repeated runs after warm-up, launched from Python ("launch") and replayed from a captured CUDA graph
 ("graph", as inside SGLang's draft graph, where launch overhead is gone).
     python bench/kernels.py --out $OUT/kernels.json
@@ -60,7 +61,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--top-k", default="8", help="transition-cache widths K, comma-separated (default: 8)")
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--out")
@@ -79,20 +80,23 @@ def main() -> int:
         norm = RMSNorm(d, 1e-6).to("cuda", dtype)
         head = torch.randn(V, d, device="cuda", dtype=dtype)
         codes = torch.randn(V, r, device="cuda")
-        for N in map(int, a.batches.split(",")):
-            B, K = a.block, a.top_k
+        for N, K in [(n, k) for n in map(int, a.batches.split(",")) for k in map(int, a.top_k.split(","))]:
+            B = a.block
             h = torch.randn(N, 1, B, d, device="cuda", dtype=dtype)
             anc = torch.randn(N, 1, r, device="cuda", dtype=dtype)
             h_pre = torch.randn(N, B, d, device="cuda", dtype=dtype)
             f = torch.randn(N, B, r, device="cuda", dtype=dtype)
             cand = torch.randint(0, V, (N, B - 1, K), device="cuda")
+            slots = torch.randn(N, B - 1, d, device="cuda", dtype=dtype)
             variants = {"eager": lambda: [inj(h, anc) for inj in injs],
                         "rows": lambda: [fused_injection(inj, h, anc, variant="rows") for inj in injs],
                         "split": lambda: [fused_injection(inj, h, anc, variant="split") for inj in injs],
                         "transition_eager": lambda: walk_greedy(cand, transition_scores(injs[-1], norm, head, codes,
                                                                                         h_pre, f, cand)),
                         "transition_fused": lambda: fused_walk_greedy(cand, fused_transition_scores(
-                            injs[-1], norm, head, codes, h_pre, f, cand))}
+                            injs[-1], norm, head, codes, h_pre, f, cand)),
+                        "head_argmax": lambda: torch.matmul(slots, head.t()).argmax(-1),
+                        "head_topk": lambda: torch.matmul(slots, head.t()).topk(K, dim=-1).indices}
             row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers}
             with torch.no_grad():
                 for name, fn in variants.items():
@@ -101,11 +105,11 @@ def main() -> int:
             rows.append(row)
     cols = [*(f"{n}_{m}_ms" for n in ("eager", "rows", "split") for m in ("launch", "graph")),
             "transition_eager_launch_ms", "transition_eager_graph_ms", "transition_fused_launch_ms",
-            "transition_fused_graph_ms"]
-    print("| dtype | batch | " + " | ".join(c[:-3].replace("_", " ") for c in cols) + " |")
-    print("|---|---|" + "---|" * len(cols))
+            "transition_fused_graph_ms", "head_argmax_graph_ms", "head_topk_graph_ms"]
+    print("| dtype | batch | K | " + " | ".join(c[:-3].replace("_", " ") for c in cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
     for x in rows:
-        print(f"| {x['dtype']} | {x['batch']} | " + " | ".join(f"{x[c]:.3f}" for c in cols) + " |")
+        print(f"| {x['dtype']} | {x['batch']} | {x['top_k']} | " + " | ".join(f"{x[c]:.3f}" for c in cols) + " |")
     meta = {"git_sha": git_sha(), "hardware": hardware(), "command": " ".join(sys.argv), "torch": torch.__version__}
     if a.out:
         atomic_write_text(Path(a.out), json.dumps({"rows": rows, **meta}, indent=1))
@@ -118,7 +122,8 @@ def main() -> int:
             "injection_ms_per_round_by_variant": {v: x[f"{v}_graph_ms"] for v in ("eager", "rows", "split")},
             "transition_ms_per_round": x["transition_fused_graph_ms"],
             "transition_eager_ms_per_round": x["transition_eager_graph_ms"],
-            "setting": f"bf16, concurrency 1, {a.layers} injected layers, B={a.block}, K={a.top_k}, d={d}, r=s={r}, "
+            "candidates_over_argmax_ms_per_round": x["head_topk_graph_ms"] - x["head_argmax_graph_ms"],
+            "setting": f"bf16, concurrency 1, {a.layers} injected layers, B={a.block}, K={x['top_k']}, d={d}, r=s={r}, "
                        f"V={V}; synthetic weights; replayed from a CUDA graph; CUDA events, median", **meta})
     return 0
 
