@@ -3,7 +3,7 @@
 Per speculative round at concurrency N: the injection over all drafter layers (kernels/injection.py, both
 layouts "rows" and "split", vs dspine.drafter.Injection) and the transition cache + greedy walk
 (kernels/transition.py vs dspine.decoding.transition_scores + walk_greedy), and the proposal head both methods
-share — logits of slots 1..B-1 then DFlash's argmax or DSpine's top-K candidates. CUDA-event timing, median of
+share — logits of slots 1..B-1 then DFlash's argmax or DSpine's top-K candidates (torch, or kernels/candidates.py). CUDA-event timing, median of
 repeated runs after warm-up, launched from Python ("launch") and replayed from a captured CUDA graph
 ("graph", as inside SGLang's draft graph, where launch overhead is gone).
     python bench/kernels.py --out $OUT/kernels.json
@@ -25,6 +25,7 @@ from dspine.drafter import Injection, RMSNorm  # noqa: E402
 from dspine.evaluate import git_sha, hardware  # noqa: E402
 from dspine.io import atomic_write_text  # noqa: E402
 from dspine.recipe import update_summary  # noqa: E402
+from kernels.candidates import fused_top_candidates  # noqa: E402
 from kernels.injection import fused_injection  # noqa: E402
 from kernels.transition import fused_transition_scores, fused_walk_greedy  # noqa: E402
 
@@ -96,7 +97,8 @@ def main() -> int:
                         "transition_fused": lambda: fused_walk_greedy(cand, fused_transition_scores(
                             injs[-1], norm, head, codes, h_pre, f, cand)),
                         "head_argmax": lambda: torch.matmul(slots, head.t()).argmax(-1),
-                        "head_topk": lambda: torch.matmul(slots, head.t()).topk(K, dim=-1).indices}
+                        "head_topk": lambda: torch.matmul(slots, head.t()).topk(K, dim=-1).indices,
+                        "head_topk_fused": lambda: fused_top_candidates(slots.view(-1, d), head, K)}
             row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers}
             with torch.no_grad():
                 for name, fn in variants.items():
@@ -105,7 +107,8 @@ def main() -> int:
             rows.append(row)
     cols = [*(f"{n}_{m}_ms" for n in ("eager", "rows", "split") for m in ("launch", "graph")),
             "transition_eager_launch_ms", "transition_eager_graph_ms", "transition_fused_launch_ms",
-            "transition_fused_graph_ms", "head_argmax_graph_ms", "head_topk_graph_ms"]
+            "transition_fused_graph_ms", "head_argmax_graph_ms", "head_topk_graph_ms",
+            "head_topk_fused_graph_ms"]
     print("| dtype | batch | K | " + " | ".join(c[:-3].replace("_", " ") for c in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     for x in rows:

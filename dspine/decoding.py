@@ -88,13 +88,26 @@ def scores_table(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, code
     return transition_scores(inj, norm, head, codes, h_pre, f, cand)
 
 
-def greedy_transition_walk(logits: torch.Tensor, inj: Injection, norm: torch.nn.Module, head: torch.Tensor,
-                           codes: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor, top_k: int) -> torch.Tensor:
-    """logits (N, B-1, V) of slots 1..B-1, h_pre (N, B, d), f (N, B, r) -> greedy drafts (N, B-1): slot 1 its
-    argmax, slots >= 2 through the transition cache (the fused kernels on CUDA). The engine's and the SGLang
-    plugin's greedy proposal."""
-    fast = kernels.enabled(logits)
-    cand = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices  # (N, B-1, K)
+def top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int,
+                   fast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (N, d) normed draft states, head (V, d) -> the K best ids (N, K) and their logits (N, K) fp32,
+    best first: the candidate sets C_t. `fast` with DSPINE_CANDIDATES=fused: kernels/candidates.py (no
+    (N, V) logits written)."""
+    if fast:
+        from kernels.candidates import fused_top_candidates, wanted
+
+        if wanted():
+            return fused_top_candidates(hidden, head, k)
+    vals, ids = torch.matmul(hidden, head.t().to(hidden.dtype)).topk(min(k, head.shape[0]), dim=-1)
+    return ids, vals.float()
+
+
+def greedy_transition_walk(cand: torch.Tensor, inj: Injection, norm: torch.nn.Module, head: torch.Tensor,
+                           codes: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """cand (N, B-1, K) candidates of slots 1..B-1, best first; h_pre (N, B, d), f (N, B, r) -> greedy drafts
+    (N, B-1): slot 1 its argmax, slots >= 2 through the transition cache (the fused kernels on CUDA). The
+    engine's and the SGLang plugin's greedy proposal."""
+    fast = kernels.enabled(h_pre)
     S = scores_table(inj, norm, head, codes, h_pre, f, cand, fast)
     if fast:
         from kernels.transition import fused_walk_greedy
@@ -119,12 +132,12 @@ def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
     last = cfg.num_hidden_layers - 1
     state = (drafter.injections[str(last)], drafter.norm, drafter.head, drafter.transfer_codes, out.h_pre[:, 0],
              out.feats[last][:, 0])
-    if greedy:
-        return Proposal(greedy_transition_walk(logits, *state, cfg.top_k), None)
     N, Bm1, V = logits.shape
     K = min(cfg.top_k, V)
-    fast = kernels.enabled(logits)
     cand = logits.topk(K, dim=-1).indices  # (N, B-1, K)
+    if greedy:
+        return Proposal(greedy_transition_walk(cand, *state), None)
+    fast = kernels.enabled(logits)
     q1 = warp_probs(logits[:, 0], params)  # (N, V)
     x1 = sample(q1, generator)
     hit = cand[:, 0] == x1[:, None]

@@ -17,6 +17,8 @@ if not CUDA:
 from dspine.decoding import transition_scores, walk_greedy, walk_sample  # noqa: E402
 from dspine.drafter import Injection, RMSNorm  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
+from dspine.decoding import top_candidates  # noqa: E402
+from kernels.candidates import fused_top_candidates  # noqa: E402
 from kernels.injection import fused_injection, injection_variant  # noqa: E402
 from kernels.transition import fused_transition_scores, fused_walk_greedy, fused_walk_sample  # noqa: E402
 
@@ -97,6 +99,41 @@ def test_fused_transition_and_walks_match_reference(shape, dtype):
         assert torch.equal(t_got, t_ref)
         assert (q_got - q_ref).abs().max().item() < 1e-5
         assert torch.allclose(q_got.sum(-1), torch.ones_like(q_got.sum(-1)), atol=1e-5)
+
+
+# (N rows = blocks × (B-1) slots, d, V, K): one block of the real target; ragged V; > 64 rows; K = 32
+HEADS = [(15, 576, 49152, 8), (3, 64, 1000, 4), (70, 96, 517, 16), (30, 64, 300, 32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", HEADS)
+def test_fused_candidates_match_reference(shape, dtype):
+    N, d, V, K = shape
+    g = torch.Generator().manual_seed(V)
+    hidden = torch.randn(N, d, generator=g).to(DEV, dtype)
+    head = torch.randn(V, d, generator=g).to(DEV, dtype)
+    ids, vals = fused_top_candidates(hidden, head, K)
+    exact = hidden.double() @ head.double().t()  # (N, V): what both approximate
+    assert ids.shape == vals.shape == (N, K) and ids.dtype == torch.int64 and vals.dtype == torch.float32
+    assert (vals[:, :-1] >= vals[:, 1:]).all()  # best first, as torch.topk: slot 1's draft is ids[:, 0]
+    assert all(len(set(row)) == K for row in ids.tolist())
+    tol = TOL[dtype] * exact.abs().max().item()
+    assert (vals.double() - exact.gather(1, ids)).abs().max().item() <= tol  # the values are those ids' logits
+    kth = exact.topk(K, dim=-1).values[:, -1:]
+    assert (exact.gather(1, ids) >= kth - 2 * tol).all()  # and they are the K best, up to near-ties
+    if dtype == torch.float32:  # no near-ties in fp32 at these sizes: the very same sets, in the same order
+        ref_ids, ref_vals = top_candidates(hidden, head, K)
+        assert torch.equal(ids, ref_ids) and torch.allclose(vals, ref_vals, rtol=1e-4, atol=1e-4)
+
+
+def test_candidates_switch_is_checked(monkeypatch):
+    from kernels.candidates import wanted
+
+    monkeypatch.setenv("DSPINE_CANDIDATES", "fast")
+    with pytest.raises(ValueError, match="DSPINE_CANDIDATES"):
+        wanted()
+    monkeypatch.setenv("DSPINE_CANDIDATES", "fused")
+    assert wanted()
 
 
 def test_sampled_walk_takes_each_candidate_with_its_probability():

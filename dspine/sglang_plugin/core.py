@@ -18,7 +18,7 @@ import torch.nn as nn
 import kernels
 
 from ..config import ConfigError, from_dict
-from ..decoding import greedy_transition_walk, scores_table
+from ..decoding import greedy_transition_walk, scores_table, top_candidates
 from ..drafter import VARIANTS, Injection
 from ..export import INJECTION
 
@@ -96,8 +96,9 @@ def propose_block(slots: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor, inj
     """Greedy proposal for one block per row: slots (bs, B-1, d) slots 1..B-1 after the drafter's final norm
     (what SGLang's DFlash takes its argmax of), h_pre (bs, B, d), f (bs, B, r), head (V, d) the target's
     lm_head, codes (V, r) -> tokens (bs, B-1), through dspine's own greedy_transition_walk."""
-    logits = torch.matmul(slots, head.t().to(slots.dtype))  # (bs, B-1, V)
-    return greedy_transition_walk(logits, inj, norm, head, codes, h_pre, f, top_k)
+    bs, Bm1, d = slots.shape
+    cand, _ = top_candidates(slots.reshape(bs * Bm1, d), head, top_k, fast=kernels.enabled(slots))
+    return greedy_transition_walk(cand.view(bs, Bm1, -1), inj, norm, head, codes, h_pre, f)
 
 
 def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
@@ -131,8 +132,7 @@ class DSpineDraftSampler:
 def candidates(hidden: torch.Tensor, head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (N, d) normed draft states, head (V, d) -> top-K ids (N, K) and their logits (N, K), fp32: the
     candidate sets C_t and unconditioned scores of SGLang >= 0.5.23's `compute_candidates` contract."""
-    vals, ids = torch.matmul(hidden, head.t().to(hidden.dtype)).topk(top_k, dim=-1)
-    return ids, vals.float()
+    return top_candidates(hidden, head, top_k, fast=kernels.enabled(hidden))
 
 
 class DSpineSelector:
