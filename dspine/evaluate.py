@@ -24,6 +24,7 @@ from workloads import load_benchmark
 from .checkpoint import config_to_json
 from .engine import Engine
 from .io import atomic_write_text, json_text
+from .plots import line_panels
 from .sampling import SamplingParams
 from .stats import AcceptanceStats, summarize
 
@@ -251,6 +252,7 @@ def markdown_table(doc: dict) -> str:
                 ok = sum(int(x.split('/')[0]) for x in em)
                 n = sum(int(x.split('/')[1]) for x in em)
                 lines.append(f"\n{m}: exact match with AR on {ok}/{n} requests at {key}")
+    lines.append(slot_table(doc))
     rep = doc.get("train_report", {}).get("methods")
     if rep:
         steps = doc["train_report"].get("train", {}).get("steps", "?")
@@ -263,9 +265,55 @@ def markdown_table(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SLOTS_SHOWN = 8  # later slots are rarely reached at the τ seen here
+
+
+def pooled_slots(doc: dict, key: str) -> dict[str, AcceptanceStats]:
+    """Each drafter's rounds at temperature `key`, pooled over the benchmarks."""
+    out: dict[str, AcceptanceStats] = {}
+    for bench in doc["results"].values():
+        for m, r in bench.get(key, {}).items():
+            if r.get("accept_hist"):
+                s = AcceptanceStats(len(r["accept_hist"]), r["accept_hist"])
+                out[m] = out[m].merge(s) if m in out else s
+    return out
+
+
+def slot_table(doc: dict) -> str:
+    lines = []
+    for key in sorted({k for b in doc["results"].values() for k in b}):
+        pooled = pooled_slots(doc, key)
+        if not pooled:
+            continue
+        n = min(SLOTS_SHOWN, *(s.block_size - 1 for s in pooled.values()))
+        lines.append(f"\n**Per-slot acceptance at {key.replace('T', 'T = ')}**, pooled over the benchmarks: "
+                     "P(slot k accepted), and in brackets P(slot k accepted | slot k−1 accepted)\n")
+        lines.append("| method | " + " | ".join(f"slot {k}" for k in range(1, n + 1)) + " |")
+        lines.append("|---" * (n + 1) + "|")
+        for m, st in pooled.items():
+            cells = [f"{a:.3f} ({c:.2f})" for a, c in zip(st.per_slot[:n], st.per_slot_conditional[:n])]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def slot_chart(doc: dict) -> str:
+    """SVG: per temperature, P(slot k accepted) and P(slot k | slot k-1) for every drafter."""
+    panels = []
+    for key in sorted({k for b in doc["results"].values() for k in b}):
+        pooled = pooled_slots(doc, key)
+        if pooled:
+            t = key.replace("T", "T = ")
+            panels.append((f"P(slot k accepted), {t}", {m: s.per_slot[:SLOTS_SHOWN] for m, s in pooled.items()}))
+            panels.append((f"P(slot k | slot k-1 accepted), {t}",
+                           {m: s.per_slot_conditional[:SLOTS_SHOWN] for m, s in pooled.items()}))
+    return line_panels(panels, "block slot k")
+
+
 def write_results(doc: dict, out: str | Path) -> Path:
-    """JSON + a Markdown table beside it (temp files, then renames)."""
+    """JSON, a Markdown table and an SVG chart of per-slot acceptance beside it (temp files, then renames)."""
     out = Path(out)
     atomic_write_text(out, json_text(doc))
     atomic_write_text(out.with_suffix(".md"), markdown_table(doc))
+    if any(pooled_slots(doc, k) for k in {k for b in doc["results"].values() for k in b}):
+        atomic_write_text(out.with_suffix(".svg"), slot_chart(doc))
     return out

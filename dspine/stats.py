@@ -57,6 +57,13 @@ class AcceptanceStats:
         r = self.rounds
         return [sum(self.accept_hist[k:]) / r if r else 0.0 for k in range(1, self.block_size)]
 
+    @property
+    def per_slot_conditional(self) -> list[float]:
+        """P(slot k accepted | slot k-1 accepted) for k = 1..B-1 (slot 1: unconditional); 0 where no round
+        reached slot k-1. What conditioning on the predecessor changes."""
+        reach = [1.0, *self.per_slot]
+        return [b / a if a else 0.0 for a, b in zip(reach, reach[1:])]
+
     def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
         if other.block_size != self.block_size:
             raise ValueError("cannot merge stats of different block sizes")

@@ -119,7 +119,11 @@ def test_tiny_recipe_end_to_end(tmp_path):
     strip = lambda d: {b: {T: {m: {k: v for k, v in r.items() if k != "seconds"} for m, r in c.items()}  # noqa: E731
                            for T, c in bt.items()} for b, bt in d["results"].items()}
     assert strip(par) == strip(doc)
-    assert "Held-out simulated" in (tmp_path / "acc.md").read_text()
+    md = (tmp_path / "acc.md").read_text()
+    assert "Held-out simulated" in md and "Per-slot acceptance at T = 0" in md
+    svg = (tmp_path / "acc.svg").read_text()  # the per-slot chart: a line per drafter and panel (T = 0: 2 panels)
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2 * 4
+    assert all(f"<title>{m}</title>" in svg for m in ("dflash", "post_backbone", "dspine", "dspine_k2"))
     for bench in doc["results"].values():
         for m, r in bench["T0"].items():
             if m != "ar":

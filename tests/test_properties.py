@@ -126,6 +126,8 @@ def test_acceptance_stats():
         s.record(n)
     assert s.rounds == 4 and s.accepted == 7 and s.tau == pytest.approx(11 / 4)
     assert s.per_slot == pytest.approx([3 / 4, 2 / 4, 2 / 4])
+    assert s.per_slot_conditional == pytest.approx([3 / 4, 2 / 3, 1.0])
+    assert AcceptanceStats(4, [5, 0, 0, 0]).per_slot_conditional == [0.0, 0.0, 0.0]
     meta = s.sglang_meta()
     assert meta["spec_verify_ct"] == 4 and meta["spec_accept_length"] == pytest.approx(2.75)
     assert meta["spec_num_proposed_drafts"] == 12 and meta["spec_correct_drafts_histogram"] == [1, 1, 0, 2]
