@@ -8,7 +8,7 @@ concurrency.
 Two stages: (1) one program per (row tile, vocabulary tile of 128) computes its logits tile (fp32
 accumulation) and extracts that tile's top-K by K rounds of max / argmax / mask, written to a small
 scratch of V/128·K (value, id) pairs per row; row tiles vary fastest in the grid, so the programs sharing a
-vocabulary tile of the head run together and read it from L2. (2) `torch.topk` over that scratch (3 % of the
+vocabulary tile of the head run together and read it from L2. (2) `torch.topk` over that scratch (6 % of the
 vocabulary at K = 8), sorted descending as torch's is. Values are the fp32-accumulated logits (the reference
 rounds them to the input dtype first), so bf16 near-ties may order differently; the set is the same up to
 such ties. Opt-in while unmeasured on the GPU: DSPINE_CANDIDATES=fused.
