@@ -5,12 +5,15 @@ On one H200, three commands (each under the device's 10-minute limit; /tmp survi
     python bench/recipe.py --stage train --work /tmp/recipe
     python bench/recipe.py --stage eval --work /tmp/recipe --out $OUT/acceptance.json
 Longer than one command: train.time_budget_s=880 train.stop_after_s=430, then the same with --resume.
+Several GPUs: `torchrun --nproc_per_node N bench/recipe.py --stage train ...` trains data parallel (the
+global batch split over the GPUs; same data and steps as one process); the other stages stay one process.
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
 Overrides: dotted keys of dspine.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
 """
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +43,8 @@ def main() -> int:
         print(json.dumps(run_regen_stage(cfg, a.work, progress=not a.no_progress), indent=1))
     if a.stage in ("train", "all"):
         rep = run_train_stage(cfg, a.work, progress=not a.no_progress, resume=a.resume)
+        if int(os.environ.get("RANK", "0")) > 0:  # torchrun: rank 0 reports and evaluates
+            return 0
         print(json.dumps(rep, indent=1))
     if a.stage in ("eval", "all"):
         if not a.out:

@@ -30,7 +30,7 @@ from .evaluate import evaluate, load_at, write_results
 from .io import atomic_write_text
 from .regen import load_samples, regenerate_dataset
 from .target import load_target
-from .train import TrainConfig, evaluate_tau_sims, loss_kw, train_drafters
+from .train import TrainConfig, evaluate_tau_sims, init_distributed, loss_kw, train_drafters
 
 METHODS = ("dflash", "post_backbone", "dspine")
 
@@ -124,14 +124,21 @@ def split_samples(cfg: RecipeConfig, work: Path) -> tuple[list, list]:
 
 def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, resume: bool = False) -> dict:
     """Regen (a no-op when done), then all drafters in lockstep. `resume` continues every drafter from
-    work/<name>/last (a run paused by train.stop_after_s, or extended with more steps / time)."""
+    work/<name>/last (a run paused by train.stop_after_s, or extended with more steps / time).
+    Under torchrun the training is data parallel (dspine.train); rank 0 loads the target first (so only it
+    converts a GGUF), regenerates, evaluates and writes the report; the other ranks return {}."""
     work = Path(work)
     dtype = getattr(torch, cfg.dtype)
+    rank, world = init_distributed(cfg.device)
     t0 = time.time()
+    if rank > 0:
+        _barrier()
     target = load_target(cfg.target, dtype=dtype, device=cfg.device)
     load_s = time.time() - t0
     previous = json.loads((work / "train_report.json").read_text()) if resume else {}
-    out = {**run_regen_stage(cfg, work, target, progress), "load_s": load_s}
+    out = {**run_regen_stage(cfg, work, target, progress), "load_s": load_s} if rank == 0 else {}
+    if rank == 0 and world > 1:
+        _barrier()
     train_pairs, eval_pairs = split_samples(cfg, work)
     out.update(samples=len(train_pairs), heldout=len(eval_pairs), methods={})
     variants = cfg.variants()
@@ -142,8 +149,10 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
     losses = {n: v.loss for n, v in variants.items()}
     if resume:
         before = {n: previous["methods"][n]["tau_sim_before"] for n in drafters}
-    else:
+    elif rank == 0:
         before = evaluate_tau_sims(drafters, target, eval_pairs, cfg.train, losses=losses)
+    else:
+        before = {}  # rank 0 reports
     t0 = time.time()
     hist = train_drafters(drafters, target, train_pairs, cfg.train, eval_samples=eval_pairs, progress=progress,
                           outs={n: work / n for n in drafters}, losses=losses, extra={"recipe": True},
@@ -151,6 +160,8 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
     if cfg.device == "cuda":
         torch.cuda.synchronize()
     secs = time.time() - t0
+    if rank > 0:
+        return {}
     for n, h in hist.items():
         evals = [(r["step"], r["eval_tau_sim"]) for r in h if "eval_tau_sim" in r]
         out["methods"][n] = {**asdict(variants[n]), "tau_sim_before": before[n], "tau_sim_after": evals[-1][1],
@@ -159,12 +170,19 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
     steps = len(next(iter(hist.values())))
     ran = steps - (previous.get("train", {}).get("steps", 0) if resume else 0)
     out["train"] = {"steps": steps, "seconds": secs, "s_per_step": secs / max(1, ran), "drafters": len(drafters),
+                    "processes": world,
                     "elapsed_total_s": next(iter(hist.values()))[-1]["elapsed_s"], "invocations":
                     previous.get("train", {}).get("invocations", 0) + 1 if resume else 1,
                     "sequences": steps * cfg.train.batch_size,
                     "blocks_per_drafter": steps * cfg.train.batch_size * cfg.train.anchors_per_seq}
     atomic_write_text(work / "train_report.json", json.dumps(out, indent=1))
     return out
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, progress: bool = True) -> dict:

@@ -7,12 +7,16 @@ Losses (each variant switches off what it lacks):
 - layer-wise cosine between each readout f_t^l and the code T[y_t] (weights w_t), averaged over layers;
 - CE of the redone last write with the true predecessor's code (slots >= 2), so training sees what the
   transition cache computes at decode time.
+Data parallel under torchrun (`init_distributed`): every process draws the same global batch (same RNG,
+so data order, anchors, resume and warm start are those of one process), trains on its share of the
+sequences and averages gradients; rank 0 evaluates, saves and decides when time is up.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -83,6 +87,52 @@ def make_batch(samples: list[tuple[list[int], int]], anchors_per_seq: int, block
             [rng.choice(choices) for _ in range(anchors_per_seq)]
         anchors[i] = torch.tensor(sorted(pick))
     return Batch(ids.to(device), lab.to(device), anchors.to(device))
+
+
+def init_distributed(device: str) -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group — NCCL on CUDA (each process on its
+    LOCAL_RANK GPU, so "cuda" means that GPU from here on), gloo on the CPU — and return (rank, world)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        cuda = str(device).startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _average_grads(params: list[torch.Tensor], world: int) -> None:
+    """One all-reduce per drafter over its flattened gradients."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    off = 0
+    for g in grads:
+        g.copy_(flat[off: off + g.numel()].view_as(g))
+        off += g.numel()
+
+
+def _from_rank0(x: float, device) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.broadcast(t, 0)
+    return float(t.item())
 
 
 def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
@@ -323,6 +373,9 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
     from .checkpoint import save_drafter
 
     cfg.validate()
+    rank, world = _world()
+    if cfg.batch_size % world:
+        raise ValueError(f"train.batch_size {cfg.batch_size} is not a multiple of the {world} processes")
     names = list(drafters)
     kws = {n: loss_kw(cfg, (losses or {}).get(n)) for n in names}
     rng = random.Random(cfg.seed)
@@ -331,6 +384,11 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
     for n, d in drafters.items():
         d.bind(target).train()
         params[n] = [p for p in d.parameters() if p.requires_grad]
+        if world > 1:  # every process starts from rank 0's weights
+            import torch.distributed as dist
+
+            for p in d.state_dict().values():
+                dist.broadcast(p, 0)
         opts[n] = torch.optim.AdamW(params[n], lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     src = FeatureSource(target, list(drafters.values()))
     block = {d.config.block_size for d in drafters.values()}
@@ -354,7 +412,7 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
         start = starts.pop()
     extra = {**(extra or {}), "train": asdict(cfg)}
     label = names[0] if len(names) == 1 else f"{len(names)} drafters"
-    bar = tqdm(range(start, cfg.steps), desc=f"train {label}", disable=not progress, initial=start,
+    bar = tqdm(range(start, cfg.steps), desc=f"train {label}", disable=not progress or rank > 0, initial=start,
                total=cfg.steps)
     t_start = time.perf_counter()
     amp = dict(device_type="cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda")
@@ -366,8 +424,12 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
         idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
         batch = make_batch([samples[i] for i in idx], cfg.anchors_per_seq, block_size, cfg.max_len, rng,
                            target.device)
+        if world > 1:  # this process's share of the global batch
+            batch = Batch(batch.ids[rank::world], batch.label_mask[rank::world], batch.anchors[rank::world])
         feats = src(batch.ids)
         this_call = time.perf_counter() - t_start
+        if world > 1:  # one clock for all, so every process stops at the same step
+            this_call = _from_rank0(this_call, target.device)
         elapsed = spent + this_call
         frac = None
         if cfg.time_budget_s:
@@ -384,6 +446,8 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
                 g["lr"] = lr_at(step, cfg, frac)
             opts[n].zero_grad(set_to_none=True)
             res["loss"].backward()
+            if world > 1:
+                _average_grads(params[n], world)
             gnorm = torch.nn.utils.clip_grad_norm_(params[n], cfg.grad_clip)
             opts[n].step()
             row = {"step": step + 1, "loss": res["loss"].item(), "ce": res["ce"].item(),
@@ -397,7 +461,7 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
             history[n].append(row)
             if log is not None:
                 log({"drafter": n, **row} if len(names) > 1 else row)
-        if do_eval:
+        if do_eval and rank == 0:
             for d in drafters.values():
                 d.eval()
             taus = evaluate_tau_sims(drafters, target, eval_samples, cfg, losses=losses)
@@ -408,7 +472,8 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
                     best[n] = taus[n]
                     save_drafter(d, outs[n] / "best", extra={**extra, "step": step + 1, "eval_tau_sim": best[n]})
         bar.set_postfix(loss=f"{history[names[0]][-1]['loss']:.3f}", tau=f"{history[names[0]][-1]['tau_sim']:.2f}")
-        if outs is not None and (last or pause or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+        save = last or pause or (cfg.save_every and (step + 1) % cfg.save_every == 0)
+        if outs is not None and rank == 0 and save:
             for n, d in drafters.items():
                 _save_state(outs[n], d, opts[n], step + 1, order, rng, best[n], history[n], extra,
                             spent + time.perf_counter() - t_start)
