@@ -66,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "prompts regenerated on the spot) and save out/best and out/last. Training "
                                    "settings are dotted overrides, e.g. train.lr=3e-4 train.steps=500. --resume "
                                    "continues out/last exactly (optimizer, RNG, data position); --warm-start "
-                                   "copies only the weights of another checkpoint.")
+                                   "copies only the weights of another checkpoint. On several GPUs run it under "
+                                   "`torchrun --nproc_per_node N -m dspine.cli train --data ...`: data parallel, "
+                                   "the same batches and steps as one process.")
     _add_target(t)
     t.add_argument("--method", choices=METHODS[1:], default="dspine", help="drafter variant (default: %(default)s)")
     t.add_argument("--out", required=True, help="run folder: best/, last/, log.jsonl")
@@ -289,7 +291,7 @@ def cmd_train(a) -> int:
     from .drafter import DSpineDraftModel
     from .regen import load_samples, regenerate_dataset
     from .target import load_target
-    from .train import TrainConfig, evaluate_tau_sim, train_drafter
+    from .train import TrainConfig, evaluate_tau_sim, init_distributed, train_drafter
 
     over = apply_overrides({"train": {}}, a.overrides)
     if set(over) != {"train"}:
@@ -301,6 +303,9 @@ def cmd_train(a) -> int:
     if a.resume and not (out / "last" / "trainer_state.json").is_file():
         raise UsageError(f"--resume: {out / 'last'} holds no trainer state")
     pairs = load_samples(a.data) if a.data else None  # fail on a missing dataset before loading the target
+    rank, world = init_distributed(a.device)  # torchrun: data parallel (dspine.train)
+    if world > 1 and pairs is None:
+        raise UsageError("under torchrun, regenerate first (`dspine regen`) and pass --data")
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     if pairs is None:  # regenerate a few prompts on the spot, into out/data
         prompts = load_prompts(a.workload, limit=a.num_prompts, max_chars=600)
@@ -323,11 +328,14 @@ def cmd_train(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "log.jsonl", "a") as logf:
         hist = train_drafter(drafter, target, train_pairs, cfg, eval_samples=eval_pairs, progress=not a.no_progress,
-                             out=out, resume=a.resume, log=lambda row: logf.write(json.dumps(row) + "\n"),
+                             out=out, resume=a.resume,
+                             log=(lambda row: logf.write(json.dumps(row) + "\n")) if rank == 0 else None,
                              extra={"target": a.target, "data": a.data, "samples": len(train_pairs),
                                     "warm_start": a.warm_start})
     after = hist[-1].get("eval_tau_sim", before) if hist else before
-    print(f"saved {a.method} drafter to {out}/best and {out}/last: held-out tau_sim {before:.3f} -> {after:.3f}")
+    if rank == 0:
+        print(f"saved {a.method} drafter to {out}/best and {out}/last: held-out tau_sim {before:.3f} -> "
+              f"{after:.3f}")
     return 0
 
 
