@@ -87,8 +87,9 @@ def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperat
     """drafters: name -> DSpineDraftModel. Returns {"results": {bench: {"T0": {method: {...}}}}, ...}.
 
     workers > 1 runs items in that many processes (the engine is batch-1 and launch-bound, so on a GPU
-    several processes share it well); they rebuild the models from `target_spec` = (spec, dtype, device)
-    and `drafter_paths` (name -> checkpoint folder, or (folder, decode knobs): `load_at`). Results are
+    several processes share it well; with several GPUs visible they spread over them); they rebuild the
+    models from `target_spec` = (spec, dtype, device) and `drafter_paths` (name -> checkpoint folder, or
+    (folder, decode knobs): `load_at`). Results are
     identical to workers=1. `max_turns` asks only the first turns of multi-turn items (MT-Bench) — what a
     single-turn server benchmark sends.
     """
@@ -176,18 +177,25 @@ def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None):
     if target_spec is None or drafter_paths is None:
         raise ValueError("parallel evaluation needs target_spec and drafter_paths")
     threads = max(1, (torch.get_num_threads() if target_spec[2] == "cpu" else 2 * workers) // workers)
-    return cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                  initargs=(target_spec, drafter_paths, threads))
+    ctx = mp.get_context("spawn")
+    return cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                                  initargs=(target_spec, drafter_paths, threads, ctx.Value("i", 0)))
 
 
 _ENGINES: dict = {}
 
 
-def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int) -> None:
+def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int, counter) -> None:
+    """Load the models once per worker; with device "cuda" and several visible GPUs, worker i takes GPU
+    i mod count (the requests are independent, so any spread gives the same results)."""
     from .target import load_target
 
     torch.set_num_threads(threads)
     spec, dtype, device = target_spec
+    with counter.get_lock():
+        index, counter.value = counter.value, counter.value + 1
+    if device == "cuda" and torch.cuda.device_count() > 1:
+        torch.cuda.set_device(index % torch.cuda.device_count())
     target = load_target(spec, dtype=getattr(torch, dtype), device=device)
     _ENGINES["ar"] = Engine(target)
     for n, p in drafter_paths.items():
