@@ -3,9 +3,10 @@
 Per speculative round at concurrency N: the injection over all drafter layers (kernels/injection.py, both
 layouts "rows" and "split", vs dspine.drafter.Injection) and the transition cache + greedy walk
 (kernels/transition.py vs dspine.decoding.transition_scores + walk_greedy), and the proposal head both methods
-share — logits of slots 1..B-1 then DFlash's argmax or DSpine's top-K candidates (torch, or kernels/candidates.py). CUDA-event timing, median of
-repeated runs after warm-up, launched from Python ("launch") and replayed from a captured CUDA graph
-("graph", as inside SGLang's draft graph, where launch overhead is gone).
+share — logits of slots 1..B-1 then DFlash's argmax or DSpine's top-K candidates (torch, or
+kernels/candidates.py). CUDA-event timing, median of repeated runs after warm-up, launched from Python
+("launch") and replayed from a captured CUDA graph ("graph", as inside SGLang's draft graph, where launch
+overhead is gone).
     python bench/kernels.py --out $OUT/kernels.json
 Prints a table; writes JSON with the git sha, command and hardware.
 """

@@ -160,3 +160,23 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
     return model.eval()
+
+
+DECODE_KNOBS = ("top_k",)  # drafter config fields that only decoding reads: a checkpoint serves any value
+
+
+def load_at(spec, target=None, dtype: torch.dtype | None = None,
+            device: str | torch.device = "cpu") -> DSpineDraftModel:
+    """A checkpoint folder, or (folder, {decode knob: value}) -> the drafter, e.g. decoded (or exported) with
+    another transition-cache width than it was trained with."""
+    path, knobs = (spec, {}) if isinstance(spec, (str, Path)) else spec
+    bad = set(knobs) - set(DECODE_KNOBS)
+    if bad:
+        raise CheckpointError(f"{sorted(bad)} are not decode-time settings (those are {list(DECODE_KNOBS)})")
+    d = load_drafter(path, target, dtype=dtype, device=device)
+    if knobs and not d.config.transition_cache:
+        raise CheckpointError(f"{path}: top_k is the transition-cache width; a {d.config.method} drafter has none")
+    for k, v in knobs.items():
+        setattr(d.config, k, v)
+    d.config.validate()
+    return d

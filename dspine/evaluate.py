@@ -21,7 +21,7 @@ import torch
 
 from workloads import load_benchmark
 
-from .checkpoint import config_to_json
+from .checkpoint import config_to_json, load_at
 from .engine import Engine
 from .io import atomic_write_text, json_text
 from .plots import line_panels
@@ -202,25 +202,6 @@ def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int, counter)
         _ENGINES[n] = Engine(target, load_at(p, target, getattr(torch, dtype), device))
 
 
-DECODE_KNOBS = ("top_k",)  # drafter config fields that only decoding reads: a checkpoint serves any value
-
-
-def load_at(spec, target, dtype, device):
-    """A checkpoint folder, or (folder, {decode knob: value}) -> the drafter, e.g. decoded with another
-    transition-cache width than it was trained with."""
-    from .checkpoint import load_drafter
-
-    path, knobs = (spec, {}) if isinstance(spec, (str, Path)) else spec
-    bad = set(knobs) - set(DECODE_KNOBS)
-    if bad:
-        raise ValueError(f"{sorted(bad)} are not decode-time settings (those are {list(DECODE_KNOBS)})")
-    d = load_drafter(path, target, dtype=dtype, device=device)
-    for k, v in knobs.items():
-        setattr(d.config, k, v)
-    d.config.validate()
-    return d
-
-
 def _worker_item(item, temperatures, max_new_tokens, seed):
     return eval_item(_ENGINES, item, temperatures, max_new_tokens, seed)
 
@@ -241,7 +222,7 @@ def benchmark_means(results: dict) -> dict:
 
 def markdown_table(doc: dict) -> str:
     results, means = doc["results"], doc["means"]
-    temps = sorted({k for b in results.values() for k in b})
+    temps = temperatures(doc)
     methods = list(next(iter(next(iter(results.values())).values())).keys())
     lines = []
     for key in temps:
@@ -276,6 +257,11 @@ def markdown_table(doc: dict) -> str:
 SLOTS_SHOWN = 8  # later slots are rarely reached at the τ seen here
 
 
+def temperatures(doc: dict) -> list[str]:
+    """The temperature keys ("T0", "T1", ...) of an evaluation document."""
+    return sorted({k for b in doc["results"].values() for k in b})
+
+
 def pooled_slots(doc: dict, key: str) -> dict[str, AcceptanceStats]:
     """Each drafter's rounds at temperature `key`, pooled over the benchmarks."""
     out: dict[str, AcceptanceStats] = {}
@@ -289,7 +275,7 @@ def pooled_slots(doc: dict, key: str) -> dict[str, AcceptanceStats]:
 
 def slot_table(doc: dict) -> str:
     lines = []
-    for key in sorted({k for b in doc["results"].values() for k in b}):
+    for key in temperatures(doc):
         pooled = pooled_slots(doc, key)
         if not pooled:
             continue
@@ -304,17 +290,17 @@ def slot_table(doc: dict) -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def slot_chart(doc: dict) -> str:
-    """SVG: per temperature, P(slot k accepted) and P(slot k | slot k-1) for every drafter."""
+def slot_chart(doc: dict) -> str | None:
+    """SVG: per temperature, P(slot k accepted) and P(slot k | slot k-1) for every drafter (None: no drafter)."""
     panels = []
-    for key in sorted({k for b in doc["results"].values() for k in b}):
+    for key in temperatures(doc):
         pooled = pooled_slots(doc, key)
         if pooled:
             t = key.replace("T", "T = ")
             panels.append((f"P(slot k accepted), {t}", {m: s.per_slot[:SLOTS_SHOWN] for m, s in pooled.items()}))
             panels.append((f"P(slot k | slot k-1 accepted), {t}",
                            {m: s.per_slot_conditional[:SLOTS_SHOWN] for m, s in pooled.items()}))
-    return line_panels(panels, "block slot k")
+    return line_panels(panels, "block slot k") if panels else None
 
 
 def write_results(doc: dict, out: str | Path) -> Path:
@@ -322,6 +308,7 @@ def write_results(doc: dict, out: str | Path) -> Path:
     out = Path(out)
     atomic_write_text(out, json_text(doc))
     atomic_write_text(out.with_suffix(".md"), markdown_table(doc))
-    if any(pooled_slots(doc, k) for k in {k for b in doc["results"].values() for k in b}):
-        atomic_write_text(out.with_suffix(".svg"), slot_chart(doc))
+    chart = slot_chart(doc)
+    if chart:
+        atomic_write_text(out.with_suffix(".svg"), chart)
     return out

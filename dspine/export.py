@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, load_drafter, save_drafter
+from .checkpoint import CheckpointError, load_at, save_drafter
 from .drafter import DSpineConfig
 
 ARCHS = {"dflash": "DFlashDraftModel", "post_backbone": "DSpineDraftModel", "dspine": "DSpineDraftModel"}
@@ -81,12 +81,7 @@ def validate_sglang_export(path: str | Path) -> dict:
 def export_sglang(ckpt: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16,
                   top_k: int | None = None) -> dict:
     """`top_k`: the transition-cache width the server walks, when not the checkpoint's (decode-time only)."""
-    model = load_drafter(ckpt)
-    if top_k is not None:
-        if not model.config.transition_cache:
-            raise ExportError(f"{ckpt}: --top-k is the transition-cache width; a {model.config.method} drafter has none")
-        model.config.top_k = top_k
-        model.config.validate()
+    model = load_at(ckpt if top_k is None else (ckpt, {"top_k": top_k}))
     codes = model.transfer_codes.detach().clone() if model.config.uses_injection else None
     model = model.to(dtype)
     if codes is not None:

@@ -26,7 +26,8 @@ import torch
 from workloads import BENCHMARKS, load_prompts
 
 from .drafter import DSpineConfig, DSpineDraftModel
-from .evaluate import evaluate, load_at, write_results
+from .checkpoint import load_at
+from .evaluate import evaluate, write_results
 from .io import atomic_write_text
 from .regen import load_samples, regenerate_dataset
 from .target import load_target

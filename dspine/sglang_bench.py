@@ -2,8 +2,9 @@
 each measured in the same run with the same flags, at several concurrencies.
 
 All servers (AR, then each drafter) are launched side by side — `sglang.launch_server` on 127.0.0.1 with the
-target and the drafter's SGLang export — and, once all serve, measured one at a time: prefill time per prompt (max_new_tokens=1, concurrency 1); then run the prompt
-set at each concurrency through `/generate` (token ids in, so every backend sees the same tokens).
+target and the drafter's SGLang export — and, once all serve, measured one at a time: prefill time per prompt
+(max_new_tokens=1, concurrency 1); then the prompt set at each concurrency through `/generate` (token ids in,
+so every backend sees the same tokens).
 - throughput: completion tokens / wall time, per concurrency;
 - τ per request from SGLang's meta_info counts (`spec_num_correct_drafts`, `spec_verify_ct`) with dspine's one
   definition (stats.tau_of), per benchmark at concurrency 1; the concurrency-1 outputs are kept, so dspine's

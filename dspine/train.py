@@ -428,7 +428,7 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
             batch = Batch(batch.ids[rank::world], batch.label_mask[rank::world], batch.anchors[rank::world])
         feats = src(batch.ids)
         this_call = time.perf_counter() - t_start
-        if world > 1:  # one clock for all, so every process stops at the same step
+        if world > 1 and (cfg.time_budget_s or cfg.stop_after_s):  # one clock, so all stop at the same step
             this_call = _from_rank0(this_call, target.device)
         elapsed = spent + this_call
         frac = None

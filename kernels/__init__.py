@@ -25,3 +25,11 @@ def enabled(x) -> bool:
 
     return (x.is_cuda and not torch.is_grad_enabled() and os.environ.get("DSPINE_KERNELS", "1") != "0"
             and available())
+
+
+def setting(env: str, allowed: tuple[str, ...], default: str, value: str | None = None) -> str:
+    """A kernel choice: `value`, else the environment variable `env`, else `default`; one of `allowed`."""
+    v = value or os.environ.get(env, default)
+    if v not in allowed:
+        raise ValueError(f"{env}={v!r}: one of {allowed}")
+    return v

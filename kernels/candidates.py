@@ -17,7 +17,6 @@ such ties. Opt-in while unmeasured on the GPU: DSPINE_CANDIDATES=fused.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -87,7 +86,6 @@ def fused_top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int) -> tu
 
 def wanted() -> bool:
     """DSPINE_CANDIDATES=fused turns the fused head on (CUDA, no autograd: see kernels.enabled)."""
-    v = os.environ.get("DSPINE_CANDIDATES", "torch")
-    if v not in ("torch", "fused"):
-        raise ValueError(f"DSPINE_CANDIDATES={v!r}: one of 'torch', 'fused'")
-    return v == "fused"
+    from . import setting
+
+    return setting("DSPINE_CANDIDATES", ("torch", "fused"), "torch") == "fused"

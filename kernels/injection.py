@@ -170,10 +170,9 @@ VARIANTS = ("rows", "split")
 
 
 def injection_variant(variant: str | None = None) -> str:
-    v = variant or os.environ.get("DSPINE_INJECTION", "split")
-    if v not in VARIANTS:
-        raise ValueError(f"injection kernel variant {v!r} is not one of {VARIANTS} (DSPINE_INJECTION)")
-    return v
+    from . import setting
+
+    return setting("DSPINE_INJECTION", VARIANTS, "split", variant)
 
 
 def interpreting() -> bool:
