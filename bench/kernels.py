@@ -127,6 +127,7 @@ def main() -> int:
             "transition_ms_per_round": x["transition_fused_graph_ms"],
             "transition_eager_ms_per_round": x["transition_eager_graph_ms"],
             "candidates_over_argmax_ms_per_round": x["head_topk_graph_ms"] - x["head_argmax_graph_ms"],
+            "candidates_fused_over_argmax_ms_per_round": x["head_topk_fused_graph_ms"] - x["head_argmax_graph_ms"],
             "setting": f"bf16, concurrency 1, {a.layers} injected layers, B={a.block}, K={x['top_k']}, d={d}, r=s={r}, "
                        f"V={V}; synthetic weights; replayed from a CUDA graph; CUDA events, median", **meta})
     return 0

@@ -91,12 +91,12 @@ def scores_table(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, code
 def top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int,
                    fast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (N, d) normed draft states, head (V, d) -> the K best ids (N, K) and their logits (N, K) fp32,
-    best first: the candidate sets C_t. `fast` with DSPINE_CANDIDATES=fused: kernels/candidates.py (no
-    (N, V) logits written)."""
+    best first: the candidate sets C_t. `fast`: kernels/candidates.py (no (N, V) logits written) where it
+    was measured faster (K <= 8; DSPINE_CANDIDATES overrides)."""
     if fast:
         from kernels.candidates import fused_top_candidates, wanted
 
-        if wanted():
+        if wanted(k):
             return fused_top_candidates(hidden, head, k)
     vals, ids = torch.matmul(hidden, head.t().to(hidden.dtype)).topk(min(k, head.shape[0]), dim=-1)
     return ids, vals.float()

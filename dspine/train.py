@@ -100,8 +100,11 @@ def init_distributed(device: str) -> tuple[int, int]:
     if not dist.is_initialized():
         cuda = str(device).startswith("cuda")
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
+            gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(gpu)
+            dist.init_process_group("nccl", device_id=gpu)  # bound: NCCL need not guess rank -> GPU
+        else:
+            dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
 
 

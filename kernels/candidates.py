@@ -11,7 +11,13 @@ scratch of V/128·K (value, id) pairs per row; row tiles vary fastest in the gri
 vocabulary tile of the head run together and read it from L2. (2) `torch.topk` over that scratch (6 % of the
 vocabulary at K = 8), sorted descending as torch's is. Values are the fp32-accumulated logits (the reference
 rounds them to the input dtype first), so bf16 near-ties may order differently; the set is the same up to
-such ties. Opt-in while unmeasured on the GPU: DSPINE_CANDIDATES=fused.
+such ties.
+
+Measured on the H200 (bench/results/kernels.json, bf16, graph replay, head + candidates per round at batch
+1/4/16/32): K = 8 fused 0.056 / 0.066 / 0.157 / 0.250 ms vs torch 0.072 / 0.091 / 0.196 / 0.327; K = 32 fused
+0.113 / 0.237 / 0.438 / 0.816 vs torch 0.070 / 0.090 / 0.195 / 0.328 (the K rounds of max grow with K; a
+launch-config sweep found K = 16 at par or slower from batch 4). So DSPINE_CANDIDATES=auto (the default)
+takes it for K <= 8 and torch above; `fused` / `torch` force either.
 """
 
 from __future__ import annotations
@@ -84,8 +90,13 @@ def fused_top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int) -> tu
     return ids.view(N, T * K).gather(1, j).long(), best
 
 
-def wanted() -> bool:
-    """DSPINE_CANDIDATES=fused turns the fused head on (CUDA, no autograd: see kernels.enabled)."""
+FUSED_MAX_K = 8  # auto: the widest K measured faster than torch's matmul + topk at every batch
+
+
+def wanted(k: int) -> bool:
+    """Whether the candidate sets of width k take the fused head (where kernels.enabled holds):
+    DSPINE_CANDIDATES=auto (default) for k <= FUSED_MAX_K, `fused` always, `torch` never."""
     from . import setting
 
-    return setting("DSPINE_CANDIDATES", ("torch", "fused"), "torch") == "fused"
+    mode = setting("DSPINE_CANDIDATES", ("auto", "torch", "fused"), "auto")
+    return mode == "fused" or (mode == "auto" and int(k) <= FUSED_MAX_K)

@@ -127,13 +127,17 @@ def test_fused_candidates_match_reference(shape, dtype):
 
 
 def test_candidates_switch_is_checked(monkeypatch):
-    from kernels.candidates import wanted
+    from kernels.candidates import FUSED_MAX_K, wanted
 
+    monkeypatch.delenv("DSPINE_CANDIDATES", raising=False)  # auto: fused only as wide as it was measured faster
+    assert wanted(FUSED_MAX_K) and not wanted(FUSED_MAX_K + 1)
     monkeypatch.setenv("DSPINE_CANDIDATES", "fast")
     with pytest.raises(ValueError, match="DSPINE_CANDIDATES"):
-        wanted()
+        wanted(8)
     monkeypatch.setenv("DSPINE_CANDIDATES", "fused")
-    assert wanted()
+    assert wanted(32)
+    monkeypatch.setenv("DSPINE_CANDIDATES", "torch")
+    assert not wanted(8)
 
 
 def test_sampled_walk_takes_each_candidate_with_its_probability():
