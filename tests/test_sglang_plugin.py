@@ -137,6 +137,14 @@ def test_flat_layout_forward_and_proposal_match_dspine(method):
     # the eager path SGLang takes without a draft CUDA graph gives the same tokens
     eager = propose_from_state(model, d.norm(h).view(N, B, -1)[:, 1:], d.head)
     assert torch.equal(eager.view(N, B - 1), want)
+    # SGLang pads its lm_head past the vocabulary; padding rows never become candidates (here they would win)
+    with torch.no_grad():
+        padded = torch.cat([d.head, 100 * slots.reshape(N * (B - 1), -1)])  # each slot's own row would win
+        sampler = DSpineDraftSampler(model, padded, B, max_bs=8)
+        sampler(d.norm(h), flat_ids)
+        eager = propose_from_state(model, slots, padded)
+    assert torch.equal(sampler.out[: N * (B - 1)].view(N, B - 1), want)
+    assert torch.equal(eager.view(N, B - 1), want)
 
 
 def test_round_timing_totals_and_split(tmp_path):
