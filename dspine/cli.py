@@ -174,6 +174,10 @@ def _parser() -> argparse.ArgumentParser:
     bn.add_argument("--sglang-serial-start", action="store_true",
                     help="sglang: start each server after the previous one stopped (default: all start side by "
                          "side, then run one at a time; needs flags that let several share the GPU)")
+    bn.add_argument("--server-env", action="append", default=[], metavar="NAME:KEY=VALUE",
+                    help="sglang: an environment variable for one method's server only (repeatable; NAME is a "
+                         "--drafter name or ar), e.g. the same checkpoint twice with "
+                         "dspine_torch:DSPINE_CANDIDATES=torch to compare a kernel switch on one GPU in one run")
     bn.add_argument("--summary", help="sglang: summary.json whose `speed` section is rewritten "
                                       "(needs drafters named dspine and dflash)")
     bn.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -457,6 +461,20 @@ def _concurrencies(text: str) -> list[int]:
     return conc
 
 
+def _server_env(items: list[str], names: list[str]) -> dict[str, dict[str, str]]:
+    """NAME:KEY=VALUE options -> {name: {key: value}}, each name one of `names`."""
+    env: dict[str, dict[str, str]] = {}
+    for item in items:
+        name, sep, kv = item.partition(":")
+        key, eq, value = kv.partition("=")
+        if not (sep and eq and key.isidentifier()):
+            raise UsageError(f"--server-env {item!r} is not NAME:KEY=VALUE")
+        if name not in names:
+            raise UsageError(f"--server-env {item!r}: {name!r} is not a measured method ({', '.join(names)})")
+        env.setdefault(name, {})[key] = value
+    return env
+
+
 def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int], flags: list[str] | None) -> dict:
     import importlib.util
     import tempfile
@@ -474,6 +492,7 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
         raise UsageError("--concurrency must include 1: τ per benchmark and the round cost are measured there")
     if a.summary and not {"dspine", "dflash"} <= set(specs):
         raise UsageError("--summary needs drafters named dspine and dflash (--drafter dspine=... --drafter dflash=...)")
+    server_env = _server_env(a.server_env, ["ar", *specs])
     agree = [n for n in a.agreement_drafters.split(",") if n] if a.engine_agreement else []
     if set(agree) - set(specs):
         raise UsageError(f"--agreement-drafters {sorted(set(agree) - set(specs))} are not among the --drafter names")
@@ -484,7 +503,7 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
     items = [(b, it) for b in benches for it in load_benchmark(b, a.limit)]
     doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), specs, items, conc, a.max_new_tokens, out_dir,
                        dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress,
-                       parallel_start=not a.sglang_serial_start)
+                       parallel_start=not a.sglang_serial_start, server_env=server_env)
     if agree:
         from .evaluate import replay
 

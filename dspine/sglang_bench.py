@@ -154,9 +154,11 @@ def _match(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: list, concurrencies: list[int],
                  max_new_tokens: int, out_dir: Path, dtype: str = "bfloat16", flags: list[str] | None = None,
-                 temperature: float = 0.0, progress: bool = True, parallel_start: bool = True) -> dict:
+                 temperature: float = 0.0, progress: bool = True, parallel_start: bool = True,
+                 server_env: dict[str, dict[str, str]] | None = None) -> dict:
     """items: (benchmark, Item) pairs (first turns are sent); drafters {name: checkpoint or export}.
     parallel_start: launch every server first, then measure them one at a time (each closed after its run).
+    server_env: {method: {variable: value}} set for that method's server only (kept in the document).
     The document keeps the prompt ids and every drafter's concurrency-1 outputs (for `replay_agreement`)."""
     from tqdm.auto import tqdm
 
@@ -173,8 +175,8 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
         draft, bsz = variants[name]
         timing = out_dir / "timing" / f"{name}.json"
         timing.unlink(missing_ok=True)
-        return SGLangServer(target_path, draft, bsz, flags, dtype, out_dir / "logs" / f"{name}.log",
-                            env={"DSPINE_SGLANG_TIMING": str(timing)} if draft else None)
+        env = {**({"DSPINE_SGLANG_TIMING": str(timing)} if draft else {}), **(server_env or {}).get(name, {})}
+        return SGLangServer(target_path, draft, bsz, flags, dtype, out_dir / "logs" / f"{name}.log", env=env)
 
     started: dict[str, SGLangServer] = {}
     try:
@@ -226,7 +228,8 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
                         row["ar_step_ms"] = 1000 * sum(decode) / steps
                 by_conc[c][name] = row
                 bar.update(1)
-            servers[name] = {"startup_s": srv.startup_s, "command": " ".join(srv.cmd)}
+            servers[name] = {"startup_s": srv.startup_s, "command": " ".join(srv.cmd),
+                             "env": (server_env or {}).get(name, {})}
             srv.close()
     finally:
         for srv in started.values():

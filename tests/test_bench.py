@@ -33,8 +33,13 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     assert "named dspine and dflash" in capsys.readouterr().err
     assert main(["bench", "--backend", "sglang", "--drafter", f"dflash={ckpt}", "--engine-agreement", "2"]) == 2
     assert "--agreement-drafters ['dspine']" in capsys.readouterr().err
-    assert main(["bench", "--backend", "sglang"]) == 2
-    assert "needs SGLang" in capsys.readouterr().err
+    assert main(["bench", "--backend", "sglang", "--server-env", "dspine:DSPINE_CANDIDATES"]) == 2
+    assert "is not NAME:KEY=VALUE" in capsys.readouterr().err
+    assert main(["bench", "--backend", "sglang", "--drafter", f"dflash={ckpt}",
+                 "--server-env", "dspine:DSPINE_CANDIDATES=torch"]) == 2
+    assert "'dspine' is not a measured method (ar, dflash)" in capsys.readouterr().err
+    assert main(["bench", "--backend", "sglang", "--server-env", "ar:DSPINE_KERNELS=0"]) == 2
+    assert "needs SGLang" in capsys.readouterr().err  # a well-formed --server-env passes the checks
 
 
 def test_replay_agreement_on_another_engines_outputs(tiny):
