@@ -14,7 +14,6 @@ Overrides: dotted keys of dspine.recipe.RecipeConfig, e.g. train.steps=800 layer
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -44,7 +43,7 @@ def main() -> int:
         print(json.dumps(run_regen_stage(cfg, a.work, progress=not a.no_progress), indent=1))
     if a.stage in ("train", "all"):
         rep = run_train_stage(cfg, a.work, progress=not a.no_progress, resume=a.resume)
-        if int(os.environ.get("RANK", "0")) > 0:  # torchrun: rank 0 reports and evaluates
+        if not rep:  # torchrun, rank > 0: rank 0 reports and evaluates
             return 0
         print(json.dumps(rep, indent=1))
     if a.stage in ("eval", "all"):

@@ -163,6 +163,7 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
     from tqdm.auto import tqdm
 
     flags = list(DEFAULT_FLAGS if flags is None else flags)
+    server_env = server_env or {}
     prompts = [chat_template_ids(tokenizer, [{"role": "user", "content": it.turns[0]}]) for _, it in items]
     bench_of = [b for b, _ in items]
     variants = {"ar": (None, 1), **{n: ensure_export(p, out_dir, n) for n, p in drafters.items()}}
@@ -175,7 +176,7 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
         draft, bsz = variants[name]
         timing = out_dir / "timing" / f"{name}.json"
         timing.unlink(missing_ok=True)
-        env = {**({"DSPINE_SGLANG_TIMING": str(timing)} if draft else {}), **(server_env or {}).get(name, {})}
+        env = {**({"DSPINE_SGLANG_TIMING": str(timing)} if draft else {}), **server_env.get(name, {})}
         return SGLangServer(target_path, draft, bsz, flags, dtype, out_dir / "logs" / f"{name}.log", env=env)
 
     started: dict[str, SGLangServer] = {}
@@ -229,7 +230,7 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
                 by_conc[c][name] = row
                 bar.update(1)
             servers[name] = {"startup_s": srv.startup_s, "command": " ".join(srv.cmd),
-                             "env": (server_env or {}).get(name, {})}
+                             "env": server_env.get(name, {})}
             srv.close()
     finally:
         for srv in started.values():

@@ -101,11 +101,17 @@ def propose_block(slots: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor, inj
     return greedy_transition_walk(cand.view(bs, Bm1, -1), inj, norm, head, codes, h_pre, f)
 
 
+def vocab_rows(model, head: torch.Tensor) -> torch.Tensor:
+    """The target's lm_head (V_padded, d) without the rows SGLang pads past the vocabulary (which must never
+    become candidates: they have no transfer code)."""
+    return head[: model.transfer_codes.shape[0]]
+
+
 def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """slots (bs, B-1, d) normed draft hidden of slots 1..B-1; the rest from the DSpine model's forward
     (`model.dspine_state`: h_pre, f); head (V_padded, d) the target's lm_head -> tokens (bs*(B-1),)."""
     bs, Bm1, _ = slots.shape
-    head = head[: model.transfer_codes.shape[0]]  # SGLang pads the head's rows past the vocabulary
+    head = vocab_rows(model, head)
     st = model.dspine_state
     last = str(max(model.inject_layers))
     return propose_block(slots, st["h_pre"].view(bs, Bm1 + 1, -1), st["f"].view(bs, Bm1 + 1, -1),

@@ -21,7 +21,8 @@ from sglang.srt.models.dflash import DFlashDraftModel
 from sglang.srt.runtime_context import get_parallel
 
 from dspine.drafter import Injection, RMSNorm
-from dspine.sglang_plugin.core import DSpineSelector, candidates, inject_flat, parse_dspine_config, split_weights
+from dspine.sglang_plugin.core import (DSpineSelector, candidates, inject_flat, parse_dspine_config, split_weights,
+                                       vocab_rows)
 
 try:  # SGLang >= 0.5.23
     from sglang.srt.models.dflash import CandidateSelector as _SGLangSelector
@@ -51,8 +52,7 @@ class DSpineDraftModel(DFlashDraftModel):
 
     def compute_candidates(self, hidden: torch.Tensor):
         """SGLang >= 0.5.23: hidden (N, d) -> candidate ids (N, K), their logits (N, K) fp32."""
-        head = self.lm_head.weight[: self.transfer_codes.shape[0]]  # rows past the vocabulary: padding
-        return candidates(hidden, head, self.candidate_selector.top_k)
+        return candidates(hidden, vocab_rows(self, self.lm_head.weight), self.candidate_selector.top_k)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False,
