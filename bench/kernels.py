@@ -18,17 +18,13 @@ import sys
 from pathlib import Path
 
 import torch
+from dspine.kernels.candidates import fused_top_candidates
+from dspine.kernels.injection import fused_injection
+from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dspine.decoding import transition_scores, walk_greedy  # noqa: E402
-from dspine.drafter import Injection, RMSNorm  # noqa: E402
-from dspine.evaluate import git_sha, hardware  # noqa: E402
-from dspine.io import atomic_write_text  # noqa: E402
-from dspine.recipe import update_summary  # noqa: E402
-from kernels.candidates import fused_top_candidates  # noqa: E402
-from kernels.injection import fused_injection  # noqa: E402
-from kernels.transition import fused_transition_scores, fused_walk_greedy  # noqa: E402
+from dspine.decoding import transition_scores, walk_greedy
+from dspine.drafter import Injection, RMSNorm
+from dspine.io import atomic_write_text, git_sha, hardware, update_summary
 
 
 def timed(fn, reps: int = 50) -> float:

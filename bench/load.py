@@ -15,12 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dspine.evaluate import git_sha, hardware  # noqa: E402
-from dspine.io import atomic_write_text  # noqa: E402
-from dspine.loadtest import run_load  # noqa: E402
-from dspine.recipe import update_summary  # noqa: E402
+from dspine.io import atomic_write_text, git_sha, hardware, update_summary
+from dspine.serve.loadtest import run_load
 
 
 def main() -> int:
@@ -39,8 +35,9 @@ def main() -> int:
     procs = []
     try:
         if a.start:
-            from dspine.proxy import Backend, ProxyConfig, start_proxy
-            from dspine.server import free_port, start_server_process
+            from dspine.serve.proxy import Backend, ProxyConfig, start_proxy
+            from dspine.process import free_port
+            from dspine.serve.server import start_server_process
 
             work = Path(tempfile.mkdtemp(prefix="dspine-load-"))
             key = os.environ.get("DSPINE_PROXY_KEY") or "sk-" + secrets.token_hex(16)

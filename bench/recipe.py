@@ -18,11 +18,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dspine.config import apply_overrides, from_dict  # noqa: E402
-from dspine.recipe import (RecipeConfig, acceptance_summary, run_eval_stage, run_regen_stage,  # noqa: E402
-                           run_train_stage, update_summary)
+from dspine.config import apply_overrides, from_dict
+from dspine.io import update_summary
+from dspine.train.recipe import RecipeConfig, acceptance_summary, run_eval_stage, run_regen_stage, run_train_stage
 
 
 def main() -> int:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -23,8 +21,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import ConfigError, from_dict
-from .drafter import DSpineConfig, DSpineDraftModel
+from dspine.config import ConfigError, from_dict
+from dspine.io import atomic_dir
+from dspine.drafter import DSpineConfig, DSpineDraftModel
 
 ARCH = "DSpineDraftModel"
 _TOP = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -84,20 +83,7 @@ def write_folder(path: str | Path, files: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(path.parent, os.W_OK):
         raise CheckpointError(f"cannot write a checkpoint under {path.parent}: permission denied")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        for name, write in files.items():
-            write(tmp / name)
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return atomic_dir(path, lambda tmp: [write(tmp / name) for name, write in files.items()])
 
 
 def save_drafter(model: DSpineDraftModel, path: str | Path, extra: dict | None = None,

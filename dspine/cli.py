@@ -215,10 +215,10 @@ def _dtype(name: str):
 def cmd_generate(a) -> int:
     import torch
 
-    from .checkpoint import load_drafter, read_config
-    from .engine import Engine
-    from .sampling import SamplingParams
-    from .target import load_target
+    from dspine.checkpoint import load_drafter, read_config
+    from dspine.engine import Engine
+    from dspine.sampling import SamplingParams
+    from dspine.target import load_target
 
     saved = read_config(a.drafter).method if a.drafter else None
     method = a.method or saved or "ar"
@@ -262,10 +262,10 @@ def cmd_generate(a) -> int:
 
 
 def cmd_regen(a) -> int:
-    from workloads import load_prompts
+    from dspine.workloads import load_prompts
 
-    from .regen import regenerate_dataset
-    from .target import load_target
+    from dspine.train.data import regenerate_dataset
+    from dspine.target import load_target
 
     if a.prompts_file:
         items = []
@@ -288,14 +288,14 @@ def cmd_train(a) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from workloads import load_prompts
+    from dspine.workloads import load_prompts
 
-    from .checkpoint import load_drafter
-    from .config import apply_overrides, from_dict
-    from .drafter import DSpineDraftModel
-    from .regen import load_samples, regenerate_dataset
-    from .target import load_target
-    from .train import TrainConfig, evaluate_tau_sim, init_distributed, train_drafter
+    from dspine.checkpoint import load_drafter
+    from dspine.config import apply_overrides, from_dict
+    from dspine.drafter import DSpineDraftModel
+    from dspine.train.data import load_samples, regenerate_dataset
+    from dspine.target import load_target
+    from dspine.train.loop import TrainConfig, evaluate_tau_sim, init_distributed, train_drafter
 
     over = apply_overrides({"train": {}}, a.overrides)
     if set(over) != {"train"}:
@@ -344,10 +344,10 @@ def cmd_train(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from .checkpoint import load_drafter
-    from .engine import Engine
-    from .server import ServeConfig, serve
-    from .target import load_target
+    from dspine.checkpoint import load_drafter
+    from dspine.engine import Engine
+    from dspine.serve.server import ServeConfig, serve
+    from dspine.target import load_target
 
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device) if a.drafter else None
@@ -359,7 +359,7 @@ def cmd_serve(a) -> int:
 
 
 def cmd_proxy(a) -> int:
-    from .proxy import ProxyConfig, parse_backend, start_proxy
+    from dspine.serve.proxy import ProxyConfig, parse_backend, start_proxy
 
     cfg = ProxyConfig(backends=[parse_backend(b) for b in a.backend], host=a.host, port=a.port, db=a.db,
                       metrics_port=a.metrics_port, workdir=a.workdir)
@@ -375,7 +375,7 @@ def cmd_proxy(a) -> int:
 def cmd_dashboard(a) -> int:
     import os
 
-    from .dashboard import serve_dashboard
+    from dspine.serve.dashboard import serve_dashboard
 
     if not os.path.isfile(a.db):
         raise UsageError(f"no acceptance store at {a.db} (start `dspine proxy --db {a.db}` first)")
@@ -385,7 +385,7 @@ def cmd_dashboard(a) -> int:
 
 
 def cmd_export(a) -> int:
-    from .export import export_sglang
+    from dspine.sglang.export import export_sglang
 
     print(json.dumps(export_sglang(a.drafter, a.out, _dtype(a.dtype), top_k=a.top_k)))
     return 0
@@ -393,7 +393,7 @@ def cmd_export(a) -> int:
 
 def _benchmark_names(text: str) -> list[str]:
     """'all' or a comma-separated list -> benchmark names, each checked."""
-    from workloads import BENCHMARKS
+    from dspine.workloads import BENCHMARKS
 
     names = list(BENCHMARKS) if text == "all" else [b.strip() for b in text.split(",")]
     unknown = [b for b in names if b not in BENCHMARKS]
@@ -404,7 +404,7 @@ def _benchmark_names(text: str) -> list[str]:
 
 def _drafter_specs(items: list[str]) -> dict[str, str]:
     """NAME=CHECKPOINT options -> {name: path}; each config is read now, before the target is loaded."""
-    from .checkpoint import read_config
+    from dspine.checkpoint import read_config
 
     specs = {}
     for d in items:
@@ -418,8 +418,8 @@ def _drafter_specs(items: list[str]) -> dict[str, str]:
 
 def _load_models(a, specs: dict[str, str]):
     """The target of --target/--dtype/--device and the named drafters bound to it."""
-    from .checkpoint import load_drafter
-    from .target import load_target
+    from dspine.checkpoint import load_drafter
+    from dspine.target import load_target
 
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     return target, {n: load_drafter(p, target, dtype=_dtype(a.dtype), device=a.device) for n, p in specs.items()}
@@ -429,8 +429,8 @@ def cmd_bench(a) -> int:
     import shlex
     from pathlib import Path
 
-    from .bench import bench_table, engine_bench
-    from .io import atomic_write_text, json_text
+    from dspine.eval.bench import bench_table, engine_bench
+    from dspine.io import atomic_write_text, json_text
 
     benches = _benchmark_names(a.benchmarks)
     if a.limit <= 0 or a.max_new_tokens <= 0:
@@ -482,11 +482,11 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
 
     from transformers import AutoTokenizer
 
-    from workloads import load_benchmark
+    from dspine.workloads import load_benchmark
 
-    from .recipe import update_summary
-    from .sglang_bench import replay_agreement, replay_jobs, sglang_bench, speed_section
-    from .target import resolve_target_path
+    from dspine.io import update_summary
+    from dspine.sglang.bench import replay_agreement, replay_jobs, sglang_bench, speed_section
+    from dspine.target import resolve_target_path
 
     if 1 not in conc:
         raise UsageError("--concurrency must include 1: τ per benchmark and the round cost are measured there")
@@ -505,7 +505,7 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
                        dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress,
                        parallel_start=not a.sglang_serial_start, server_env=server_env)
     if agree:
-        from .evaluate import replay
+        from dspine.eval.acceptance import replay
 
         sub = {n: specs[n] for n in agree}
         # worker processes load their own models; only a single-process replay needs them here
@@ -523,7 +523,7 @@ def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int],
 def cmd_eval(a) -> int:
     import os
 
-    from .evaluate import evaluate, markdown_table, write_results
+    from dspine.eval.acceptance import evaluate, markdown_table, write_results
 
     benches = _benchmark_names(a.benchmarks)
     temps = [float(t) for t in a.temperatures.split(",")]
@@ -547,11 +547,11 @@ def cmd_eval(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .sampling import RequestError
-    from .regen import RegenError
-    from .target import TargetError
+    from dspine.checkpoint import CheckpointError
+    from dspine.config import ConfigError
+    from dspine.sampling import RequestError
+    from dspine.train.data import RegenError
+    from dspine.target import TargetError
 
     parser = _parser()
     a, rest = parser.parse_known_args(argv)

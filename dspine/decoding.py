@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-
-from .drafter import DraftOutput, DSpineDraftModel, Injection
-from .sampling import SamplingParams, sample, sample_inverse_cdf, warp_probs
+from dspine import kernels
+from dspine.drafter import DraftOutput, DSpineDraftModel, Injection
+from dspine.sampling import SamplingParams, sample, sample_inverse_cdf, warp_probs
 
 
 @dataclass
@@ -82,7 +81,7 @@ def scores_table(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, code
     if Bm1 == 1:
         return torch.zeros(N, 0, K, K, device=cand.device)
     if fast:
-        from kernels.transition import fused_transition_scores
+        from dspine.kernels.transition import fused_transition_scores
 
         return fused_transition_scores(inj, norm, head, codes, h_pre, f, cand)
     return transition_scores(inj, norm, head, codes, h_pre, f, cand)
@@ -94,7 +93,7 @@ def top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int,
     best first: the candidate sets C_t. `fast`: kernels/candidates.py (no (N, V) logits written) where it
     was measured faster (K <= 8; DSPINE_CANDIDATES overrides)."""
     if fast:
-        from kernels.candidates import fused_top_candidates, wanted
+        from dspine.kernels.candidates import fused_top_candidates, wanted
 
         if wanted(k):
             return fused_top_candidates(hidden, head, k)
@@ -110,7 +109,7 @@ def greedy_transition_walk(cand: torch.Tensor, inj: Injection, norm: torch.nn.Mo
     fast = kernels.enabled(h_pre)
     S = scores_table(inj, norm, head, codes, h_pre, f, cand, fast)
     if fast:
-        from kernels.transition import fused_walk_greedy
+        from dspine.kernels.transition import fused_walk_greedy
 
         return fused_walk_greedy(cand, S)
     return walk_greedy(cand, S)
@@ -145,7 +144,7 @@ def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
     cand[:, 0] = cand[:, 0].scatter(1, first_idx[:, None], x1[:, None])
     S = scores_table(*state, cand, fast)
     if fast:  # the kernel samples by inverse CDF from uniforms drawn here, on the request's generator
-        from kernels.transition import fused_walk_sample
+        from dspine.kernels.transition import fused_walk_sample
 
         u = torch.rand(N, max(Bm1 - 1, 0), device=cand.device, generator=generator)
         rest, q_rest = fused_walk_sample(cand, S, first_idx, params, V, u)

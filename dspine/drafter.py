@@ -29,9 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
-
-from .config import ConfigError
+from dspine import kernels
+from dspine.config import ConfigError
 
 VARIANTS = {  # method -> which layers inject ("all" | "last" | "none")
     "dspine": "all",
@@ -267,7 +266,7 @@ class DSpineDraftModel(nn.Module):
     @classmethod
     def for_target(cls, target, method: str = "dspine", seed: int = 0, **overrides) -> "DSpineDraftModel":
         """A fresh drafter sized for `target` (a dspine.target.Target), transfer space initialised."""
-        from .transfer import build_transfer_space
+        from dspine.transfer import build_transfer_space
 
         info = target.info
         kw = dict(hidden_size=info.hidden_size,
@@ -354,7 +353,7 @@ class DSpineDraftModel(nn.Module):
                 if i == last:
                     h_pre = h
                 if kernels.enabled(h):
-                    from kernels.injection import fused_injection
+                    from dspine.kernels.injection import fused_injection
 
                     h, feats[i] = fused_injection(self.injections[str(i)], h, anchor_code)
                 else:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decoding import propose
-from .drafter import DSpineDraftModel, block_attention_mask
-from .sampling import RequestError, SamplingParams, sample, warp_probs
-from .stats import AcceptanceStats
-from .target import Target
-from .verify import verify_greedy, verify_sampled
+from dspine.decoding import propose
+from dspine.drafter import DSpineDraftModel, block_attention_mask
+from dspine.sampling import RequestError, SamplingParams, sample, warp_probs
+from dspine.stats import AcceptanceStats
+from dspine.target import Target
+from dspine.verify import verify_greedy, verify_sampled
 
 
 @dataclass

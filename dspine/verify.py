@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import sample
+from dspine.sampling import sample
 
 
 def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

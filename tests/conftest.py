@@ -18,9 +18,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 from dspine.drafter import DSpineDraftModel  # noqa: E402
 from dspine.engine import Engine  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
-from dspine.server import start_server_process  # noqa: E402
+from dspine.serve.server import start_server_process  # noqa: E402
 from dspine.target import Target, load_target  # noqa: E402
-from dspine.train import TrainConfig, train_drafter  # noqa: E402
+from dspine.train.loop import TrainConfig, train_drafter  # noqa: E402
 
 METHODS = ("dflash", "post_backbone", "dspine")
 
@@ -95,7 +95,7 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def smollm2_pairs(smollm2):
-    from workloads import load_prompts
+    from dspine.workloads import load_prompts
 
     prompts = load_prompts("sharegpt", limit=6, max_chars=300)
     eng = Engine(smollm2)

@@ -47,9 +47,9 @@ def test_replay_agreement_on_another_engines_outputs(tiny):
     own free run standing in for SGLang's) and τ per benchmark is set beside the server's."""
     from conftest import brief_train
     from dspine.engine import Engine
-    from dspine.evaluate import replay
+    from dspine.eval.acceptance import replay
     from dspine.sampling import SamplingParams
-    from dspine.sglang_bench import replay_agreement, replay_jobs
+    from dspine.sglang.bench import replay_agreement, replay_jobs
 
     target, pairs = tiny
     drafter = brief_train(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=8,

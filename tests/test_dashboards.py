@@ -6,9 +6,9 @@ from pathlib import Path
 
 from conftest import tiny_target
 from dspine.engine import Engine
-from dspine.server import Service
+from dspine.serve.server import Service
 
-DASH = Path(__file__).resolve().parents[1] / "dspine" / "assets" / "grafana_dashboard.json"
+DASH = Path(__file__).resolve().parents[1] / "dspine" / "serve" / "grafana_dashboard.json"
 
 
 def test_grafana_dashboard_queries_exported_metrics():
@@ -19,7 +19,7 @@ def test_grafana_dashboard_queries_exported_metrics():
                          "latency_s": 0.2, "spec": {"spec_verify_ct": 2, "spec_num_correct_drafts": 3,
                                                     "spec_accept_length": 2.5}})
     svc.metrics.errors.labels("400").inc()
-    from dspine.litellm_hooks import _metrics
+    from dspine.serve.litellm_hooks import _metrics
 
     proxy = _metrics(0)  # the proxy callback's metrics (default registry; no HTTP server with port 0)
     lab = dict(model="m", drafter="d", workload="swe", thinking="low")

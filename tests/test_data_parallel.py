@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_target
 from dspine.drafter import DSpineDraftModel
-from dspine.train import TrainConfig, train_drafters
+from dspine.train.loop import TrainConfig, train_drafters
 
 L, STEPS = 20, 3
 
@@ -44,7 +44,7 @@ def _train() -> dict[str, torch.Tensor]:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    from dspine.train import init_distributed
+    from dspine.train.loop import init_distributed
 
     assert init_distributed("cpu") == (rank, world)
     target = tiny_target("llama")

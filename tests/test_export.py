@@ -10,7 +10,7 @@ from conftest import tiny_target
 from dspine.checkpoint import save_drafter
 from dspine.cli import main
 from dspine.drafter import DSpineDraftModel
-from dspine.export import ExportError, validate_sglang_export
+from dspine.sglang.export import ExportError, validate_sglang_export
 
 
 @pytest.mark.parametrize("method,arch", [("dspine", "DSpineDraftModel"), ("dflash", "DFlashDraftModel")])

@@ -18,9 +18,9 @@ from dspine.decoding import transition_scores, walk_greedy, walk_sample  # noqa:
 from dspine.drafter import Injection, RMSNorm  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from dspine.decoding import top_candidates  # noqa: E402
-from kernels.candidates import fused_top_candidates  # noqa: E402
-from kernels.injection import fused_injection, injection_variant  # noqa: E402
-from kernels.transition import fused_transition_scores, fused_walk_greedy, fused_walk_sample  # noqa: E402
+from dspine.kernels.candidates import fused_top_candidates  # noqa: E402
+from dspine.kernels.injection import fused_injection, injection_variant  # noqa: E402
+from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy, fused_walk_sample  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 pytestmark = [pytest.mark.gpu] if CUDA else []
@@ -127,7 +127,7 @@ def test_fused_candidates_match_reference(shape, dtype):
 
 
 def test_candidates_switch_is_checked(monkeypatch):
-    from kernels.candidates import FUSED_MAX_K, wanted
+    from dspine.kernels.candidates import FUSED_MAX_K, wanted
 
     monkeypatch.delenv("DSPINE_CANDIDATES", raising=False)  # auto: fused only as wide as it was measured faster
     assert wanted(FUSED_MAX_K) and not wanted(FUSED_MAX_K + 1)

@@ -10,7 +10,7 @@ import torch
 
 from dspine.checkpoint import load_drafter
 from dspine.cli import main
-from dspine.regen import RegenError, load_samples, regenerate_dataset
+from dspine.train.data import RegenError, load_samples, regenerate_dataset
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,8 @@ def test_eval_refuses_checkpoint_for_another_target(tmp_path, capsys):
 
 def test_tiny_recipe_end_to_end(tmp_path):
     """The GPU recipe at CPU size: every trained drafter beats its untrained self and stays lossless."""
-    from dspine.recipe import RecipeConfig, acceptance_summary, run_eval_stage, run_train_stage, update_summary
+    from dspine.io import update_summary
+    from dspine.train.recipe import RecipeConfig, acceptance_summary, run_eval_stage, run_train_stage
 
     cfg = RecipeConfig.cpu_tiny()
     rep = run_train_stage(cfg, tmp_path, progress=False)
@@ -140,7 +141,7 @@ def test_tiny_recipe_end_to_end(tmp_path):
 def test_eval_first_turns_only(smollm2):
     """`--turns 1` asks MT-Bench's first turn only, as a single-turn server benchmark does."""
     from dspine.drafter import DSpineDraftModel
-    from dspine.evaluate import evaluate
+    from dspine.eval.acceptance import evaluate
 
     d = DSpineDraftModel.for_target(smollm2, method="dspine", num_hidden_layers=1)
     both = evaluate(smollm2, {"d": d}, ["mt_bench"], 1, [0.0], 8, progress=False)

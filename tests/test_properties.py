@@ -13,7 +13,7 @@ from dspine.decoding import propose, transition_scores
 from dspine.drafter import DSpineDraftModel
 from dspine.sampling import SamplingParams, warp_probs
 from dspine.stats import AcceptanceStats, simulated_tau, summarize
-from dspine.train import TrainConfig, train_drafter
+from dspine.train.loop import TrainConfig, train_drafter
 from dspine.transfer import build_transfer_space
 
 
@@ -166,7 +166,7 @@ def test_typed_config_and_overrides():
 def test_lockstep_training_equals_training_alone(tiny):
     """Drafters trained together (one target forward per batch) end bit-identical to drafters trained alone,
     also beside a drafter reading other target layers and with its own loss weights."""
-    from dspine.train import train_drafters
+    from dspine.train.loop import train_drafters
 
     target, pairs = tiny
     cfg = TrainConfig(steps=8, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=2, lr=2e-3, eval_every=4)
@@ -186,7 +186,7 @@ def test_lockstep_training_equals_training_alone(tiny):
 
 
 def test_time_budget_stops_training_and_anneals():
-    from dspine.train import lr_at
+    from dspine.train.loop import lr_at
 
     cfg = TrainConfig(steps=1000, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, time_budget_s=60)
     assert lr_at(5, cfg, 0.0) == pytest.approx(6e-4)  # warm-up follows steps
@@ -196,7 +196,7 @@ def test_time_budget_stops_training_and_anneals():
 
 
 def test_recipe_config_rejects_bad_ablations():
-    from dspine.recipe import RecipeConfig
+    from dspine.train.recipe import RecipeConfig
 
     base = {"ablations": {"x": {"method": "dspine", "drafter": {"transfer_rnk": 8}}}}
     with pytest.raises(ConfigError, match="transfer_rnk"):
@@ -213,7 +213,7 @@ def test_recipe_config_rejects_bad_ablations():
 
 def test_a_checkpoint_decodes_with_another_walk_width(tmp_path):
     """`load_at`: the transition cache's width is a decode-time setting (other settings are refused)."""
-    from dspine.evaluate import load_at
+    from dspine.eval.acceptance import load_at
 
     target = tiny_target("llama")
     path = save_drafter(DSpineDraftModel.for_target(target, num_hidden_layers=1, block_size=4, top_k=8), tmp_path / "d")
@@ -225,7 +225,7 @@ def test_a_checkpoint_decodes_with_another_walk_width(tmp_path):
 
 def test_pause_after_a_time_limit_then_resume_equals_a_straight_run(tiny, tmp_path):
     """train.stop_after_s pauses an invocation (saving out/last); resume finishes it exactly as one run would."""
-    from dspine.train import train_drafters
+    from dspine.train.loop import train_drafters
 
     target, pairs = tiny
     kw = dict(steps=12, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=2, lr=2e-3, eval_every=5)
@@ -253,7 +253,7 @@ def test_simulated_tau_counts_what_the_walk_can_pick(tiny):
     K = V the two agree."""
     import random
 
-    from dspine.train import FeatureSource, drafter_losses, make_batch
+    from dspine.train.loop import FeatureSource, drafter_losses, make_batch
 
     target, pairs = tiny
     d = perturb_writes(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=8),

@@ -19,9 +19,9 @@ import pytest
 
 from conftest import running_server
 from dspine.checkpoint import save_drafter
-from dspine.server import free_port, wait_http
+from dspine.process import free_port, wait_http
 from dspine.stats import AcceptanceStats
-from dspine.store import AcceptanceStore
+from dspine.serve.store import AcceptanceStore
 
 KEY = "sk-dspine-test-key"
 ARTIFACTS = Path(os.environ.get("DSPINE_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "runs" / "test-artifacts"))
@@ -29,7 +29,7 @@ ARTIFACTS = Path(os.environ.get("DSPINE_TEST_ARTIFACTS", Path(__file__).resolve(
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, smollm2_drafters):
-    from dspine.proxy import Backend, ProxyConfig, start_proxy
+    from dspine.serve.proxy import Backend, ProxyConfig, start_proxy
 
     tmp = tmp_path_factory.mktemp("proxy")
     ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp / "dspine")

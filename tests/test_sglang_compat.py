@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dspine.sglang_compat import NAMES, RELEASES, missing_names
+from dspine.sglang.compat import NAMES, RELEASES, missing_names
 
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "sglang-wheels"
 
@@ -43,7 +43,7 @@ def test_the_check_notices_a_missing_name(tmp_path):
 def test_names_since_a_release_are_required_from_it_on():
     """The candidate-selector contract (SGLang >= 0.5.23) is checked for 0.5.23 and absent from 0.5.17: the
     plugin takes the selector path only where it exists."""
-    from dspine.sglang_compat import SINCE
+    from dspine.sglang.compat import SINCE
 
     gone = missing_names(_wheel("0.5.17"), "0.5.23")
     want = {path: set(p) for path, p in SINCE["0.5.23"].items()}

@@ -17,7 +17,7 @@ from conftest import perturb_writes
 from dspine.checkpoint import save_drafter
 from dspine.drafter import DSpineDraftModel
 from dspine.target import load_target, resolve_target_path
-from workloads import load_benchmark
+from dspine.workloads import load_benchmark
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gpu
 def test_sglang_serves_dspine_through_the_plugin(tmp_path):
     from transformers import AutoTokenizer
 
-    from dspine.sglang_bench import sglang_bench
+    from dspine.sglang.bench import sglang_bench
 
     spec = os.environ.get("DSPINE_TARGET", "smollm2-135m-instruct")
     target = load_target(spec, dtype=torch.float32)

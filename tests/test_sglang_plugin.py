@@ -16,16 +16,16 @@ from dspine.checkpoint import save_drafter
 from dspine.config import ConfigError
 from dspine.decoding import propose
 from dspine.drafter import DSpineDraftModel
-from dspine.export import export_sglang
+from dspine.sglang.export import export_sglang
 from dspine.sampling import SamplingParams
 from dspine.decoding import transition_scores
-from dspine.sglang_plugin.core import (DSpineDraftSampler, DSpineSelector, candidates, inject_flat,
+from dspine.sglang.plugin.core import (DSpineDraftSampler, DSpineSelector, candidates, inject_flat,
                                        parse_dspine_config, propose_from_state, split_weights)
 
 
 def test_entry_point_is_declared_and_loads_without_sglang():
     eps = {e.name: e for e in entry_points(group="sglang.srt.plugins")}
-    assert eps["dspine"].value == "dspine.sglang_plugin:register"
+    assert eps["dspine"].value == "dspine.sglang.plugin:register"
     assert callable(eps["dspine"].load())  # SGLang is imported only when SGLang calls it
 
 
@@ -154,7 +154,7 @@ def test_round_timing_totals_and_split(tmp_path):
     gives the split of the rounds in between (what `dspine bench --backend sglang` reports per concurrency)."""
     from types import SimpleNamespace
 
-    from dspine.sglang_plugin import timing
+    from dspine.sglang.plugin import timing
 
     clock = {"enqueued": 0.0, "gpu": 0.0}
 

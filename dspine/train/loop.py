@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .drafter import DSpineDraftModel, block_attention_mask
-from .stats import simulated_tau
+from dspine.drafter import DSpineDraftModel, block_attention_mask
+from dspine.stats import simulated_tau
 
 
 @dataclass
@@ -49,7 +49,7 @@ class TrainConfig:
     stop_after_s: float = 0.0  # > 0: this invocation stops (saving out/last) after so long; resume continues
 
     def validate(self) -> None:
-        from .config import ConfigError
+        from dspine.config import ConfigError
 
         for k in ("steps", "batch_size", "anchors_per_seq", "max_len"):
             if getattr(self, k) <= 0:
@@ -283,7 +283,7 @@ def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:
     kw = {k: getattr(cfg, k) for k in LOSS_KEYS}
     bad = set(override or {}) - set(LOSS_KEYS)
     if bad:
-        from .config import ConfigError
+        from dspine.config import ConfigError
 
         raise ConfigError(f"unknown loss override(s) {sorted(bad)}; known: {list(LOSS_KEYS)}")
     return {**kw, **(override or {})}
@@ -294,7 +294,7 @@ def _save_state(out: Path, drafter, opt, step: int, order: list[int], rng: rando
     """out/last: the drafter checkpoint + optimizer / RNG / data position, all safetensors + JSON."""
     from safetensors.torch import save_file
 
-    from .checkpoint import save_drafter
+    from dspine.checkpoint import save_drafter
 
     tensors, meta = {}, {"step": step, "order": order, "best": best, "history": history,
                          "py_rng": _jsonable(rng.getstate()), "param_groups": [], "elapsed_s": elapsed_s}
@@ -322,7 +322,7 @@ def _tuplify(x):
 def _load_state(ckpt: Path, drafter, opt, rng: random.Random):
     from safetensors.torch import load_file
 
-    from .checkpoint import CheckpointError, load_drafter
+    from dspine.checkpoint import CheckpointError, load_drafter
 
     if not (ckpt / "trainer_state.json").is_file():
         raise CheckpointError(f"{ckpt}: no trainer state to resume from (trainer_state.json)")
@@ -373,7 +373,7 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
 
     from tqdm.auto import tqdm
 
-    from .checkpoint import save_drafter
+    from dspine.checkpoint import save_drafter
 
     cfg.validate()
     rank, world = _world()

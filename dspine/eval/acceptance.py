@@ -19,35 +19,14 @@ from pathlib import Path
 
 import torch
 
-from workloads import load_benchmark
+from dspine.workloads import load_benchmark
 
-from .checkpoint import config_to_json, load_at
-from .engine import Engine
-from .io import atomic_write_text, json_text
-from .plots import line_panels
-from .sampling import SamplingParams
-from .stats import AcceptanceStats, summarize
-
-
-def git_sha() -> str:
-    """DSPINE_GIT_SHA when set (the GPU machine's tree travels without its own history), else the checkout's."""
-    import os
-    import re
-
-    if os.environ.get("DSPINE_GIT_SHA"):
-        return os.environ["DSPINE_GIT_SHA"]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        sha = ""
-    return sha if re.fullmatch(r"[0-9a-f]{40}", sha) else "unknown"
-
-
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} ({platform.node()})"
-    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} ({platform.node()})"
+from dspine.checkpoint import config_to_json, load_at
+from dspine.engine import Engine
+from dspine.io import atomic_write_text, git_sha, hardware, json_text
+from dspine.plots import line_panels
+from dspine.sampling import SamplingParams
+from dspine.stats import AcceptanceStats, summarize
 
 
 def config_hash(drafter) -> str:
@@ -188,7 +167,7 @@ _ENGINES: dict = {}
 def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int, counter) -> None:
     """Load the models once per worker; with device "cuda" and several visible GPUs, worker i takes GPU
     i mod count (the requests are independent, so any spread gives the same results)."""
-    from .target import load_target
+    from dspine.target import load_target
 
     torch.set_num_threads(threads)
     spec, dtype, device = target_spec

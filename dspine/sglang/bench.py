@@ -30,11 +30,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .evaluate import git_sha, hardware
-from .server import free_port, wait_http
-from .sglang_plugin.timing import split
-from .stats import tau_of
-from .target import chat_template_ids
+from dspine.io import git_sha, hardware
+from dspine.process import free_port, wait_http
+from dspine.sglang.plugin.timing import split
+from dspine.stats import tau_of
+from dspine.target import chat_template_ids
 
 # triton attention and torch sampling: FA3 and flashinfer's JIT are not on the H200 image (../shared/GPU.md)
 # decode CUDA graphs for batch 1, 2, 4, ..., 32 (6 captures instead of SGLang's 20); prefill graphs off (their
@@ -61,8 +61,8 @@ def sglang_version() -> str:
 def ensure_export(path: str, out_dir: Path, name: str) -> tuple[str, int]:
     """A drafter folder -> (a folder SGLang loads, its block size): used as is when it validates as an SGLang
     export, else exported (bf16) under out_dir/exports/NAME."""
-    from .checkpoint import CheckpointError
-    from .export import export_sglang, validate_sglang_export
+    from dspine.checkpoint import CheckpointError
+    from dspine.sglang.export import export_sglang, validate_sglang_export
 
     block = int(json.loads((Path(path) / "config.json").read_text())["block_size"])
     try:

@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from workloads import BENCHMARKS, load_prompts
+from dspine.workloads import BENCHMARKS, load_prompts
 
-from .drafter import DSpineConfig, DSpineDraftModel
-from .checkpoint import load_at
-from .evaluate import evaluate, write_results
-from .io import atomic_write_text
-from .regen import load_samples, regenerate_dataset
-from .target import load_target
-from .train import TrainConfig, evaluate_tau_sims, init_distributed, loss_kw, train_drafters
+from dspine.drafter import DSpineConfig, DSpineDraftModel
+from dspine.checkpoint import load_at
+from dspine.eval.acceptance import evaluate, write_results
+from dspine.io import atomic_write_text
+from dspine.train.data import load_samples, regenerate_dataset
+from dspine.target import load_target
+from dspine.train.loop import TrainConfig, evaluate_tau_sims, init_distributed, loss_kw, train_drafters
 
 METHODS = ("dflash", "post_backbone", "dspine")
 
@@ -71,7 +71,7 @@ class RecipeConfig:
     eval_top_k: list[int] = field(default_factory=list)  # extra rows: dspine decoded with these walk widths
 
     def validate(self) -> None:
-        from .config import ConfigError
+        from dspine.config import ConfigError
 
         clash = set(self.methods) & set(self.ablations)
         if clash:
@@ -210,11 +210,3 @@ def acceptance_summary(doc: dict) -> dict:
     return {**{k: dict(v) for k, v in doc["means"].items()}, "per_benchmark": {b: {k: {m: r["tau_mean"] for m, r in c.items()} for k, c in by_t.items()}
                                      for b, by_t in doc["results"].items()},
             "git_sha": doc["git_sha"], "command": doc["command"], "hardware": doc["hardware"]}
-
-
-def update_summary(path: str | Path, section: str, value: dict) -> None:
-    """Replace one section of summary.json, keeping the others (temp file, then rename)."""
-    path = Path(path)
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data[section] = value
-    atomic_write_text(path, json.dumps(data, indent=1) + "\n")

@@ -2,7 +2,7 @@
 `--speculative-algorithm DFLASH --speculative-draft-model-path <dspine export>`.
 
 Installed with dspine (`pip install dspine[sglang]`), found by SGLang through the entry-point group
-`sglang.srt.plugins` (`dspine = dspine.sglang_plugin:register`), which SGLang runs in the server and in every
+`sglang.srt.plugins` (`dspine = dspine.sglang.plugin:register`), which SGLang runs in the server and in every
 scheduler process. `register`:
 - registers `DSpineDraftModel` (models/dspine_draft.py) with SGLang's `ModelRegistry`: SGLang's DFlash draft
   model plus the injection after every injecting layer, so SGLang's KV-context materialisation, attention
@@ -85,7 +85,7 @@ def register() -> None:
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    ModelRegistry.register("dspine.sglang_plugin.models", overwrite=True, strict=True)
+    ModelRegistry.register("dspine.sglang.plugin.models", overwrite=True, strict=True)
     HookRegistry.register(SGLANG_TARGETS["build_sampler"], _build_sampler, HookType.AROUND)
     HookRegistry.register(SGLANG_TARGETS["eager_sample"], _eager_sample, HookType.AROUND)
     path = os.environ.get("DSPINE_SGLANG_TIMING")

@@ -23,8 +23,9 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .engine import Engine, generate_batch
-from .sampling import RequestError, SamplingParams
+from dspine.engine import Engine, generate_batch
+from dspine.process import free_port, wait_http
+from dspine.sampling import RequestError, SamplingParams
 
 EFFORTS = ("none", "low", "medium", "high", "xhigh")
 REASONING_BUDGET = {"low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
@@ -394,32 +395,6 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, cfg: ServeC
     import uvicorn
 
     uvicorn.run(create_app(Service(engine, cfg, drafter_name)), host=host, port=port, log_level="warning")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc, seconds: float = 120) -> None:
-    """Until `url` answers 200; raises with the process's output if it exits first."""
-    import urllib.request
-
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(url, timeout=1).status == 200:
-                return
-        except OSError:
-            if proc.poll() is not None:
-                out = proc.stdout.read().decode()[-3000:] if proc.stdout else ""
-                raise RuntimeError(f"{' '.join(map(str, proc.args[:4]))} exited: {out}") from None
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{url} did not come up within {seconds:.0f} s")
 
 
 def start_server_process(drafter: str | None = None, name: str = "dspine", target: str | None = None,

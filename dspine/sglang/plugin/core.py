@@ -15,12 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-import kernels
-
-from ..config import ConfigError, from_dict
-from ..decoding import greedy_transition_walk, scores_table, top_candidates
-from ..drafter import VARIANTS, Injection
-from ..export import INJECTION
+from dspine import kernels
+from dspine.config import ConfigError, from_dict
+from dspine.decoding import greedy_transition_walk, scores_table, top_candidates
+from dspine.drafter import VARIANTS, Injection
+from dspine.sglang.export import INJECTION
 
 
 @dataclass
@@ -83,7 +82,7 @@ def inject_flat(inj: Injection, h: torch.Tensor, anchor_code: torch.Tensor, bloc
     bs = h.shape[0] // block_size
     hb = h.view(bs, 1, block_size, -1)
     if kernels.enabled(h):
-        from kernels.injection import fused_injection
+        from dspine.kernels.injection import fused_injection
 
         out, f = fused_injection(inj, hb, anchor_code[:, None])
     else:

@@ -29,8 +29,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at i
 
 from litellm.integrations.custom_logger import CustomLogger  # noqa: E402
 
-from .stats import AcceptanceStats  # noqa: E402
-from .store import AcceptanceStore  # noqa: E402
+from dspine.stats import AcceptanceStats  # noqa: E402
+from dspine.serve.store import AcceptanceStore  # noqa: E402
 
 _METRICS = None
 

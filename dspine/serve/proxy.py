@@ -17,8 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ConfigError
-from .io import atomic_write_text
+from dspine.config import ConfigError
+from dspine.io import atomic_write_text
 
 CALLBACKS_MODULE = "dspine_litellm_callbacks"
 KEY_ENV = "DSPINE_PROXY_KEY"
@@ -82,7 +82,7 @@ def write_proxy_files(cfg: ProxyConfig) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_text(work / f"{CALLBACKS_MODULE}.py",
                       '"""Written by `dspine proxy`: the hooks LiteLLM loads (see dspine/litellm_hooks.py)."""\n'
-                      "from dspine.litellm_hooks import DSpineLogger, auth  # noqa: F401\n\n"
+                      "from dspine.serve.litellm_hooks import DSpineLogger, auth  # noqa: F401\n\n"
                       "handler = DSpineLogger.from_env()\n")
     path = work / "config.yaml"
     atomic_write_text(path, json.dumps(litellm_config(cfg), indent=1) + "\n")
@@ -102,7 +102,7 @@ def proxy_env(cfg: ProxyConfig, key: str) -> dict:
 
 def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None) -> subprocess.Popen:
     """Start LiteLLM (a child process) and return once it answers; raises if it dies or never answers."""
-    from .server import wait_http
+    from dspine.process import wait_http
 
     key = key if key is not None else os.environ.get(KEY_ENV, "")
     env = proxy_env(cfg, key)

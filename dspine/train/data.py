@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .io import atomic_write, atomic_write_text
-from .target import Target
+from dspine.io import atomic_write, atomic_write_text
+from dspine.target import Target
 
 COLUMNS = ("id", "prompt", "thinking", "prompt_ids", "response_ids", "response_text", "finish_reason")
 

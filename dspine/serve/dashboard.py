@@ -8,7 +8,7 @@ can compare what was rendered with what the store holds.
 
 from __future__ import annotations
 
-from .store import AcceptanceStore
+from dspine.serve.store import AcceptanceStore
 
 PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>dspine — acceptance</title>

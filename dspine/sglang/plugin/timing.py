@@ -12,11 +12,11 @@ gets the split of the rounds between them (`dspine bench --backend sglang` does,
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
+
+from dspine.io import atomic_write_text
 
 _ACTIVE: dict | None = None  # the round being timed: {"worker", "events"}
 PHASES = ("round", "draft", "verify", "extend")
@@ -109,8 +109,4 @@ def split(totals: dict, before: dict | None = None) -> dict:
 
 def write_totals(path: Path, totals: dict) -> None:
     """The running totals, written atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".timing-")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"totals": totals, **split(totals)}, f)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"totals": totals, **split(totals)}))

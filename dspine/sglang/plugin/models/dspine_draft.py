@@ -2,7 +2,7 @@
 materialisation, CUDA graphs and verify stay SGLang's) plus DSpine's gated adjacent injection after the
 injecting layers and the state the transition-cache proposal needs.
 
-SGLang finds this module through `ModelRegistry.register("dspine.sglang_plugin.models")` (the plugin's
+SGLang finds this module through `ModelRegistry.register("dspine.sglang.plugin.models")` (the plugin's
 entry point) and builds it for checkpoints whose `architectures` is ["DSpineDraftModel"].
 
 Where SGLang has DFLASH's candidate-selector contract (>= 0.5.23: `draft_model.candidate_selector`,
@@ -21,7 +21,7 @@ from sglang.srt.models.dflash import DFlashDraftModel
 from sglang.srt.runtime_context import get_parallel
 
 from dspine.drafter import Injection, RMSNorm
-from dspine.sglang_plugin.core import (DSpineSelector, candidates, inject_flat, parse_dspine_config, split_weights,
+from dspine.sglang.plugin.core import (DSpineSelector, candidates, inject_flat, parse_dspine_config, split_weights,
                                        vocab_rows)
 
 try:  # SGLang >= 0.5.23

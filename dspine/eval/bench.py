@@ -11,12 +11,12 @@ from __future__ import annotations
 import sys
 import time
 
-from workloads import load_benchmark
+from dspine.workloads import load_benchmark
 
-from .engine import Engine, generate_batch
-from .evaluate import git_sha, hardware
-from .sampling import SamplingParams
-from .stats import summarize
+from dspine.engine import Engine, generate_batch
+from dspine.io import git_sha, hardware
+from dspine.sampling import SamplingParams
+from dspine.stats import summarize
 
 PHASES = ("draft", "propose", "verify", "commit")
 

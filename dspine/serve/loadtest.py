@@ -13,8 +13,8 @@ import asyncio
 import json
 import time
 
-from .stats import quantile
-from .store import AcceptanceStore
+from dspine.stats import quantile
+from dspine.serve.store import AcceptanceStore
 
 PROMPTS = ["Explain what a race condition is in two sentences.", "Write a haiku about version control.",
            "Give three uses of a hash map.", "What does HTTP status 404 mean?",

@@ -13,7 +13,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from .stats import AcceptanceStats, quantile
+from dspine.stats import AcceptanceStats, quantile
 
 COLUMNS = ("request_id", "ts", "model", "drafter", "method", "workload", "thinking", "stream", "prompt_tokens",
            "completion_tokens", "tau", "verify_rounds", "accept_hist", "latency_s", "source")

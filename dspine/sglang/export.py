@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, load_at, save_drafter
-from .drafter import DSpineConfig
+from dspine.checkpoint import CheckpointError, load_at, save_drafter
+from dspine.drafter import DSpineConfig
 
 ARCHS = {"dflash": "DFlashDraftModel", "post_backbone": "DSpineDraftModel", "dspine": "DSpineDraftModel"}
 INJECTION = ("readout.weight", "readout.bias", "gate_f.weight", "gate_f.bias", "gate_p.weight", "message.weight",
@@ -55,7 +55,7 @@ def validate_sglang_export(path: str | Path) -> dict:
     from safetensors import safe_open
 
     path = Path(path)
-    from .checkpoint import config_from_json
+    from dspine.checkpoint import config_from_json
 
     raw = json.loads((path / "config.json").read_text())
     # the exported architecture is SGLang's name; the rest parses as a dspine config
