@@ -18,13 +18,13 @@ import sys
 from pathlib import Path
 
 import torch
-from dspine.kernels.candidates import fused_top_candidates
-from dspine.kernels.injection import fused_injection
-from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy
 
 from dspine.decoding import transition_scores, walk_greedy
 from dspine.drafter import Injection, RMSNorm
 from dspine.io import atomic_write_text, git_sha, hardware, update_summary
+from dspine.kernels.candidates import fused_top_candidates
+from dspine.kernels.injection import fused_injection
+from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy
 
 
 def timed(fn, reps: int = 50) -> float:
@@ -63,8 +63,11 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--out")
-    ap.add_argument("--summary", help="summary.json whose `kernels` section is rewritten (bf16, batch 1, graph "
-                                      "replay: the setting of SGLang's draft step at concurrency 1)")
+    ap.add_argument(
+        "--summary",
+        help="summary.json whose `kernels` section is rewritten (bf16, batch 1, graph "
+        "replay: the setting of SGLang's draft step at concurrency 1)",
+    )
     a = ap.parse_args()
     d, r, s, V = 576, 256, 256, 49152  # SmolLM2-135M's width and vocabulary, the default transfer rank
     rows = []
@@ -86,26 +89,36 @@ def main() -> int:
             f = torch.randn(N, B, r, device="cuda", dtype=dtype)
             cand = torch.randint(0, V, (N, B - 1, K), device="cuda")
             slots = torch.randn(N, B - 1, d, device="cuda", dtype=dtype)
-            variants = {"eager": lambda: [inj(h, anc) for inj in injs],
-                        "rows": lambda: [fused_injection(inj, h, anc, variant="rows") for inj in injs],
-                        "split": lambda: [fused_injection(inj, h, anc, variant="split") for inj in injs],
-                        "transition_eager": lambda: walk_greedy(cand, transition_scores(injs[-1], norm, head, codes,
-                                                                                        h_pre, f, cand)),
-                        "transition_fused": lambda: fused_walk_greedy(cand, fused_transition_scores(
-                            injs[-1], norm, head, codes, h_pre, f, cand)),
-                        "head_argmax": lambda: torch.matmul(slots, head.t()).argmax(-1),
-                        "head_topk": lambda: torch.matmul(slots, head.t()).topk(K, dim=-1).indices,
-                        "head_topk_fused": lambda: fused_top_candidates(slots.view(-1, d), head, K)}
+            variants = {
+                "eager": lambda: [inj(h, anc) for inj in injs],
+                "rows": lambda: [fused_injection(inj, h, anc, variant="rows") for inj in injs],
+                "split": lambda: [fused_injection(inj, h, anc, variant="split") for inj in injs],
+                "transition_eager": lambda: walk_greedy(
+                    cand, transition_scores(injs[-1], norm, head, codes, h_pre, f, cand)
+                ),
+                "transition_fused": lambda: fused_walk_greedy(
+                    cand, fused_transition_scores(injs[-1], norm, head, codes, h_pre, f, cand)
+                ),
+                "head_argmax": lambda: torch.matmul(slots, head.t()).argmax(-1),
+                "head_topk": lambda: torch.matmul(slots, head.t()).topk(K, dim=-1).indices,
+                "head_topk_fused": lambda: fused_top_candidates(slots.view(-1, d), head, K),
+            }
             row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers}
             with torch.no_grad():
                 for name, fn in variants.items():
                     row[f"{name}_launch_ms"] = timed(fn)
                     row[f"{name}_graph_ms"] = timed(graphed(fn))
             rows.append(row)
-    cols = [*(f"{n}_{m}_ms" for n in ("eager", "rows", "split") for m in ("launch", "graph")),
-            "transition_eager_launch_ms", "transition_eager_graph_ms", "transition_fused_launch_ms",
-            "transition_fused_graph_ms", "head_argmax_graph_ms", "head_topk_graph_ms",
-            "head_topk_fused_graph_ms"]
+    cols = [
+        *(f"{n}_{m}_ms" for n in ("eager", "rows", "split") for m in ("launch", "graph")),
+        "transition_eager_launch_ms",
+        "transition_eager_graph_ms",
+        "transition_fused_launch_ms",
+        "transition_fused_graph_ms",
+        "head_argmax_graph_ms",
+        "head_topk_graph_ms",
+        "head_topk_fused_graph_ms",
+    ]
     print("| dtype | batch | K | " + " | ".join(c[:-3].replace("_", " ") for c in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     for x in rows:
@@ -117,15 +130,23 @@ def main() -> int:
     if a.summary and one:
         x = one[0]
         best = min(("rows", "split"), key=lambda v: x[f"{v}_graph_ms"])
-        update_summary(a.summary, "kernels", {
-            "injection_ms_per_round": x[f"{best}_graph_ms"], "injection_variant": best,
-            "injection_ms_per_round_by_variant": {v: x[f"{v}_graph_ms"] for v in ("eager", "rows", "split")},
-            "transition_ms_per_round": x["transition_fused_graph_ms"],
-            "transition_eager_ms_per_round": x["transition_eager_graph_ms"],
-            "candidates_over_argmax_ms_per_round": x["head_topk_graph_ms"] - x["head_argmax_graph_ms"],
-            "candidates_fused_over_argmax_ms_per_round": x["head_topk_fused_graph_ms"] - x["head_argmax_graph_ms"],
-            "setting": f"bf16, concurrency 1, {a.layers} injected layers, B={a.block}, K={x['top_k']}, d={d}, r=s={r}, "
-                       f"V={V}; synthetic weights; replayed from a CUDA graph; CUDA events, median", **meta})
+        update_summary(
+            a.summary,
+            "kernels",
+            {
+                "injection_ms_per_round": x[f"{best}_graph_ms"],
+                "injection_variant": best,
+                "injection_ms_per_round_by_variant": {v: x[f"{v}_graph_ms"] for v in ("eager", "rows", "split")},
+                "transition_ms_per_round": x["transition_fused_graph_ms"],
+                "transition_eager_ms_per_round": x["transition_eager_graph_ms"],
+                "candidates_over_argmax_ms_per_round": x["head_topk_graph_ms"] - x["head_argmax_graph_ms"],
+                "candidates_fused_over_argmax_ms_per_round": x["head_topk_fused_graph_ms"] - x["head_argmax_graph_ms"],
+                "setting": f"bf16, concurrency 1, {a.layers} injected layers, B={a.block}, K={x['top_k']}, "
+                f"d={d}, r=s={r}, "
+                f"V={V}; synthetic weights; replayed from a CUDA graph; CUDA events, median",
+                **meta,
+            },
+        )
     return 0
 
 

@@ -3,7 +3,8 @@
 Against a running proxy:
     DSPINE_PROXY_KEY=... python bench/load.py --proxy http://127.0.0.1:4000 --model smol --db runs/proxy/acceptance.db
 Or self-contained (starts `dspine serve` with the built-in target and the given drafter, then the proxy):
-    python bench/load.py --start --drafter runs/demo/best --out bench/results/load.json --summary bench/results/summary.json
+    python bench/load.py --start --drafter runs/demo/best --out bench/results/load.json \
+        --summary bench/results/summary.json
 Prints a table; writes JSON (git sha, command, hardware) and the `load` section of summary.json.
 """
 
@@ -35,8 +36,8 @@ def main() -> int:
     procs = []
     try:
         if a.start:
-            from dspine.serve.proxy import Backend, ProxyConfig, start_proxy
             from dspine.process import free_port
+            from dspine.serve.proxy import Backend, ProxyConfig, start_proxy
             from dspine.serve.server import start_server_process
 
             work = Path(tempfile.mkdtemp(prefix="dspine-load-"))
@@ -44,8 +45,12 @@ def main() -> int:
             log = open(work / "stack.log", "w")
             srv, base = start_server_process(a.drafter, "backend", log=log)
             procs.append(srv)
-            cfg = ProxyConfig(backends=[Backend(a.model, base + "/v1", "backend")], port=free_port(),
-                              db=str(work / "acceptance.db"), workdir=str(work / "litellm"))
+            cfg = ProxyConfig(
+                backends=[Backend(a.model, base + "/v1", "backend")],
+                port=free_port(),
+                db=str(work / "acceptance.db"),
+                workdir=str(work / "litellm"),
+            )
             procs.append(start_proxy(cfg, key=key, log=log))
             proxy, db = f"http://127.0.0.1:{cfg.port}", cfg.db
         else:
@@ -57,18 +62,41 @@ def main() -> int:
         for p in procs[::-1]:
             p.terminate()
             p.wait(timeout=30)
-    res.update(git_sha=git_sha(), hardware=hardware(), command=" ".join(sys.argv),
-               backend=f"dspine serve (embedded engine, CPU), drafter {a.drafter or 'none (AR)'}")
+    res.update(
+        git_sha=git_sha(),
+        hardware=hardware(),
+        command=" ".join(sys.argv),
+        backend=f"dspine serve (embedded engine, CPU), drafter {a.drafter or 'none (AR)'}",
+    )
     print("| clients | seconds | completed | errors | lost | p50 ms | p99 ms | req/s |")
     print("|---|---|---|---|---|---|---|---|")
     f = lambda v: "—" if v is None else f"{v:.0f}"  # noqa: E731
-    print(f"| {res['clients']} | {res['seconds']:.0f} | {res['completed']} | {res['errors']} | {res['lost']} | "
-          f"{f(res['p50_ms'])} | {f(res['p99_ms'])} | {res['requests_per_s']:.2f} |")
+    print(
+        f"| {res['clients']} | {res['seconds']:.0f} | {res['completed']} | {res['errors']} | {res['lost']} | "
+        f"{f(res['p50_ms'])} | {f(res['p99_ms'])} | {res['requests_per_s']:.2f} |"
+    )
     if a.out:
         atomic_write_text(Path(a.out), json.dumps(res, indent=1) + "\n")
     if a.summary:
-        update_summary(a.summary, "load", {k: res[k] for k in ("clients", "seconds", "completed", "errors", "lost",
-                                                              "p50_ms", "p99_ms", "git_sha", "hardware", "command")})
+        update_summary(
+            a.summary,
+            "load",
+            {
+                k: res[k]
+                for k in (
+                    "clients",
+                    "seconds",
+                    "completed",
+                    "errors",
+                    "lost",
+                    "p50_ms",
+                    "p99_ms",
+                    "git_sha",
+                    "hardware",
+                    "command",
+                )
+            },
+        )
     return 0 if res["errors"] == 0 and res["lost"] == 0 else 1
 
 

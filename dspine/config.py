@@ -20,70 +20,102 @@ class ConfigError(ValueError):
     """A config value or key that dspine cannot accept."""
 
 
+def _union(value, tp, args, where):
+    if value is None and type(None) in args:
+        return None
+    for a in args:
+        if a is type(None):
+            continue
+        try:
+            return _coerce(value, a, where)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{where}: {value!r} fits none of {tp}")
+
+
+def _literal(value, args, where):
+    if value not in args:
+        raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+    return value
+
+
+def _list(value, args, where):
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
+    inner = args[0] if args else Any
+    return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _dict(value, args, where):
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    inner = args[1] if len(args) == 2 else Any
+    return {k: _coerce(v, inner, f"{where}.{k}") for k, v in value.items()}
+
+
+def _dataclass(value, tp, where):
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
+    return from_dict(tp, value, where)
+
+
+def _bool(value, where):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ConfigError(f"{where}: expected true/false, got {value!r}")
+
+
+def _int(value, where):
+    bad = ConfigError(f"{where}: expected an integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, str, float)):
+        raise bad
+    try:
+        f = float(value)
+    except ValueError:
+        raise bad from None
+    if f != int(f):
+        raise bad
+    return int(f)
+
+
+def _float(value, where):
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+
+
+def _str(value, where):
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+_SCALARS = {bool: _bool, int: _int, float: _float, str: _str}
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{where}: {value!r} fits none of {tp}")
+        return _union(value, tp, args, where)
     if origin is typing.Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
-        return value
+        return _literal(value, args, where)
     if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        inner = args[0] if args else Any
-        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        return _list(value, args, where)
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        inner = args[1] if len(args) == 2 else Any
-        return {k: _coerce(v, inner, f"{where}.{k}") for k, v in value.items()}
+        return _dict(value, args, where)
     if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
-        return from_dict(tp, value, where)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str, float)):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        try:
-            f = float(value)
-        except ValueError:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-        if f != int(f):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return int(f)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
+        return _dataclass(value, tp, where)
+    if tp in _SCALARS:
+        return _SCALARS[tp](value, where)
     return value
 
 

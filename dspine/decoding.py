@@ -31,8 +31,15 @@ class Proposal:
     q: torch.Tensor | None  # (N, B-1, V) proposal distributions (sampling), None when greedy
 
 
-def transition_scores(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, codes: torch.Tensor,
-                      h_pre: torch.Tensor, f: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+def transition_scores(
+    inj: Injection,
+    norm: torch.nn.Module,
+    head: torch.Tensor,
+    codes: torch.Tensor,
+    h_pre: torch.Tensor,
+    f: torch.Tensor,
+    cand: torch.Tensor,
+) -> torch.Tensor:
     """h_pre (N, B, d), f (N, B, r), cand (N, B-1, K) candidates of slots 1..B-1
     -> S (N, B-2, K, K): S[:, t-2, i, j] = score of cand[slot t, j] after predecessor cand[slot t-1, i]."""
     K = cand.shape[-1]
@@ -55,9 +62,15 @@ def walk_greedy(cand: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, dim=1)
 
 
-def walk_sample(cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, params: SamplingParams,
-                vocab: int, generator: torch.Generator | None,
-                uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def walk_sample(
+    cand: torch.Tensor,
+    S: torch.Tensor,
+    first_idx: torch.Tensor,
+    params: SamplingParams,
+    vocab: int,
+    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled walk for slots 2..B-1 -> tokens (N, B-2), q (N, B-2, V) dense proposal distributions.
     With `uniforms` (N, B-2) the draws are inverse-CDF (the reference of kernels/transition.py)."""
     N, Bm1, K = cand.shape
@@ -74,8 +87,16 @@ def walk_sample(cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, pa
     return torch.stack(toks, 1), torch.stack(qs, 1)
 
 
-def scores_table(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, codes: torch.Tensor,
-                 h_pre: torch.Tensor, f: torch.Tensor, cand: torch.Tensor, fast: bool) -> torch.Tensor:
+def scores_table(
+    inj: Injection,
+    norm: torch.nn.Module,
+    head: torch.Tensor,
+    codes: torch.Tensor,
+    h_pre: torch.Tensor,
+    f: torch.Tensor,
+    cand: torch.Tensor,
+    fast: bool,
+) -> torch.Tensor:
     """transition_scores, or its fused kernel; no slot >= 2 (B = 2) -> an empty table."""
     N, Bm1, K = cand.shape
     if Bm1 == 1:
@@ -87,8 +108,9 @@ def scores_table(inj: Injection, norm: torch.nn.Module, head: torch.Tensor, code
     return transition_scores(inj, norm, head, codes, h_pre, f, cand)
 
 
-def top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int,
-                   fast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def top_candidates(
+    hidden: torch.Tensor, head: torch.Tensor, k: int, fast: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (N, d) normed draft states, head (V, d) -> the K best ids (N, K) and their logits (N, K) fp32,
     best first: the candidate sets C_t. `fast`: kernels/candidates.py (no (N, V) logits written) where it
     was measured faster (K <= 8; DSPINE_CANDIDATES overrides)."""
@@ -101,8 +123,15 @@ def top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int,
     return ids, vals.float()
 
 
-def greedy_transition_walk(cand: torch.Tensor, inj: Injection, norm: torch.nn.Module, head: torch.Tensor,
-                           codes: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+def greedy_transition_walk(
+    cand: torch.Tensor,
+    inj: Injection,
+    norm: torch.nn.Module,
+    head: torch.Tensor,
+    codes: torch.Tensor,
+    h_pre: torch.Tensor,
+    f: torch.Tensor,
+) -> torch.Tensor:
     """cand (N, B-1, K) candidates of slots 1..B-1, best first; h_pre (N, B, d), f (N, B, r) -> greedy drafts
     (N, B-1): slot 1 its argmax, slots >= 2 through the transition cache (the fused kernels on CUDA). The
     engine's and the SGLang plugin's greedy proposal."""
@@ -115,8 +144,9 @@ def greedy_transition_walk(cand: torch.Tensor, inj: Injection, norm: torch.nn.Mo
     return walk_greedy(cand, S)
 
 
-def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
-            generator: torch.Generator | None = None) -> Proposal:
+def propose(
+    drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams, generator: torch.Generator | None = None
+) -> Proposal:
     """One block per row (nb = 1) -> drafts for slots 1..B-1 and, when sampling, their q."""
     cfg = drafter.config
     h = out.hidden[:, 0]  # (N, B, d)
@@ -129,8 +159,14 @@ def propose(drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams,
         return Proposal(sample(q, generator), q)
 
     last = cfg.num_hidden_layers - 1
-    state = (drafter.injections[str(last)], drafter.norm, drafter.head, drafter.transfer_codes, out.h_pre[:, 0],
-             out.feats[last][:, 0])
+    state = (
+        drafter.injections[str(last)],
+        drafter.norm,
+        drafter.head,
+        drafter.transfer_codes,
+        out.h_pre[:, 0],
+        out.feats[last][:, 0],
+    )
     N, Bm1, V = logits.shape
     K = min(cfg.top_k, V)
     cand = logits.topk(K, dim=-1).indices  # (N, B-1, K)

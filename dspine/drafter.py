@@ -157,8 +157,9 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(N, n, self.nkv, self.hd).transpose(1, 2)
         return rope(k, pos, self.theta), v
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """x (N, Q, d) block slots; ctx_k/v (N, Hkv, C, hd); mask (N, 1, Q, C + Q) bool or None (all visible)."""
         N, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, Q, self.nh, self.hd)).transpose(1, 2)
@@ -246,7 +247,8 @@ class DSpineDraftModel(nn.Module):
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.injections = nn.ModuleDict(
-            {str(i): Injection(d, cfg.transfer_rank, cfg.message_size) for i in cfg.inject_layers})
+            {str(i): Injection(d, cfg.transfer_rank, cfg.message_size) for i in cfg.inject_layers}
+        )
         if cfg.uses_injection:
             self.register_buffer("transfer_codes", torch.zeros(cfg.vocab_size, cfg.transfer_rank))
         self.apply(self._init_weights)
@@ -264,17 +266,24 @@ class DSpineDraftModel(nn.Module):
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
-    def for_target(cls, target, method: str = "dspine", seed: int = 0, **overrides) -> "DSpineDraftModel":
+    def for_target(cls, target, method: str = "dspine", seed: int = 0, **overrides) -> DSpineDraftModel:
         """A fresh drafter sized for `target` (a dspine.target.Target), transfer space initialised."""
         from dspine.transfer import build_transfer_space
 
         info = target.info
-        kw = dict(hidden_size=info.hidden_size,
-                  intermediate_size=int(getattr(target.model.config, "intermediate_size", 4 * info.hidden_size)),
-                  num_attention_heads=info.num_attention_heads, num_key_value_heads=info.num_key_value_heads,
-                  head_dim=info.head_dim, vocab_size=info.vocab_size, num_target_layers=info.num_layers,
-                  rms_norm_eps=info.rms_norm_eps, rope_theta=info.rope_theta,
-                  max_position_embeddings=info.max_position_embeddings, method=method)
+        kw = dict(
+            hidden_size=info.hidden_size,
+            intermediate_size=int(getattr(target.model.config, "intermediate_size", 4 * info.hidden_size)),
+            num_attention_heads=info.num_attention_heads,
+            num_key_value_heads=info.num_key_value_heads,
+            head_dim=info.head_dim,
+            vocab_size=info.vocab_size,
+            num_target_layers=info.num_layers,
+            rms_norm_eps=info.rms_norm_eps,
+            rope_theta=info.rope_theta,
+            max_position_embeddings=info.max_position_embeddings,
+            method=method,
+        )
         kw["transfer_rank"] = min(256, info.hidden_size, info.vocab_size - 1)
         kw["message_size"] = kw["transfer_rank"]
         kw.update(overrides)
@@ -291,16 +300,19 @@ class DSpineDraftModel(nn.Module):
         model.bind(target)
         return model
 
-    def bind(self, target) -> "DSpineDraftModel":
+    def bind(self, target) -> DSpineDraftModel:
         """Borrow the target's (frozen) embedding and head; check the drafter was built for this target."""
         info = target.info
         if (info.vocab_size, info.hidden_size) != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(
                 f"drafter was built for vocab {self.config.vocab_size} / hidden {self.config.hidden_size}, "
-                f"but target {target.name!r} has vocab {info.vocab_size} / hidden {info.hidden_size}")
+                f"but target {target.name!r} has vocab {info.vocab_size} / hidden {info.hidden_size}"
+            )
         if self.config.num_target_layers != info.num_layers:
-            raise ValueError(f"drafter expects a target with {self.config.num_target_layers} layers, "
-                             f"target {target.name!r} has {info.num_layers}")
+            raise ValueError(
+                f"drafter expects a target with {self.config.num_target_layers} layers, "
+                f"target {target.name!r} has {info.num_layers}"
+            )
         self._embed = target.embed.weight.detach()
         self._head = target.head_weight.detach()
         return self
@@ -329,8 +341,13 @@ class DSpineDraftModel(nn.Module):
         return ids
 
     # ---- forward ---------------------------------------------------------------------------------------
-    def forward(self, block_ids: torch.Tensor, block_pos: torch.Tensor,
-                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None = None) -> DraftOutput:
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        block_pos: torch.Tensor,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor | None = None,
+    ) -> DraftOutput:
         """block_ids/block_pos (N, nb, B); ctx_kv per layer (N, Hkv, C, hd); mask (N, 1, nb*B, C+nb*B) or None."""
         if self._embed is None:
             raise RuntimeError("drafter is not bound to a target: call drafter.bind(target)")

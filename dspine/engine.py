@@ -173,8 +173,14 @@ class Engine:
         return int(sample(warp_probs(logits, params), gen))
 
     @torch.no_grad()
-    def generate(self, prompt, params: SamplingParams | None = None, on_token=None,
-                 profile: bool = False, forced: list[int] | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        on_token=None,
+        profile: bool = False,
+        forced: list[int] | None = None,
+    ) -> GenerationResult:
         """`on_token(token_id)` sees every committed token as it is committed; returning False aborts.
         `profile` fills `timings` (seconds per phase: prefill, draft, propose, verify, commit, ar_step), with
         a device sync at each boundary — slower, for benchmarks only.
@@ -227,13 +233,12 @@ class Engine:
             prop = propose(self.drafter, out, params, gen)
             drafts = prop.tokens  # (1, B-1)
             clock.lap("propose")
-            logits, feats = tgt.forward(torch.cat([torch.tensor([[anchor]], device=dev), drafts], 1),
-                                        cache, layer_ids)
+            logits, feats = tgt.forward(torch.cat([torch.tensor([[anchor]], device=dev), drafts], 1), cache, layer_ids)
             clock.lap("verify")
             if forced is None:
                 n_acc, nxt = verify(prop, logits, params, gen)
             else:  # forced[P - len(ids)] is the anchor; the drafts face the tokens after it
-                n_acc, nxt = verify_forced(drafts, forced[P - len(ids) + 1:])
+                n_acc, nxt = verify_forced(drafts, forced[P - len(ids) + 1 :])
             n = int(n_acc[0])
             stats.record(n)
             tgt.crop_cache(cache, P + n + 1)
@@ -245,15 +250,31 @@ class Engine:
                     break
             anchor = int(nxt[0])
             clock.lap("commit")  # acceptance test, cache crop, drafter context, stop checks
-        return GenerationResult(token_ids=stop.tokens, text=stop.result_text(),
-                                finish_reason=stop.finish_reason or "length", prompt_tokens=len(ids),
-                                method=self.method, stats=stats, seconds=time.perf_counter() - t0,
-                                timings=clock.totals)
+        return GenerationResult(
+            token_ids=stop.tokens,
+            text=stop.result_text(),
+            finish_reason=stop.finish_reason or "length",
+            prompt_tokens=len(ids),
+            method=self.method,
+            stats=stats,
+            seconds=time.perf_counter() - t0,
+            timings=clock.totals,
+        )
+
+
+def _finish_open_rows(stops: list, done: list[bool], reason: str) -> None:
+    for i, d in enumerate(done):
+        if not d:
+            stops[i].finish_reason, done[i] = reason, True
 
 
 @torch.no_grad()
-def generate_batch(engine: Engine, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
-                   on_tokens: list | None = None) -> list[GenerationResult]:
+def generate_batch(
+    engine: Engine,
+    prompts: list,
+    params: SamplingParams | list[SamplingParams] | None = None,
+    on_tokens: list | None = None,
+) -> list[GenerationResult]:
     """Decode several requests together (one target forward and one drafter forward per round for all rows).
 
     Rows advance by different amounts, so nothing is cropped: each row's target KV cache and drafter context
@@ -294,9 +315,7 @@ def generate_batch(engine: Engine, prompts: list, params: SamplingParams | list[
         ctx.extend(feats, torch.arange(L, device=dev).expand(N, L))
     while not all(done):
         if int(committed.max()) + B > engine.max_positions:
-            for i in range(N):
-                if not done[i]:
-                    stops[i].finish_reason, done[i] = "length", True
+            _finish_open_rows(stops, done, "length")
             break
         pos = committed[:, None] + torch.arange(B, device=dev)  # (N, B); B = 1 for AR
         anchor_t = torch.tensor(anchors, device=dev)[:, None]
@@ -307,8 +326,7 @@ def generate_batch(engine: Engine, prompts: list, params: SamplingParams | list[
             feed = torch.cat([anchor_t, prop.tokens], 1)
         else:
             feed = anchor_t
-        logits, feats = tgt.forward(feed, cache, layer_ids, torch.cat([valid, valid.new_ones(N, B)], 1).long(),
-                                    pos)
+        logits, feats = tgt.forward(feed, cache, layer_ids, torch.cat([valid, valid.new_ones(N, B)], 1).long(), pos)
         if drafter is not None:
             n_acc, nxt = verify(prop, logits, params, gen)
         else:
@@ -332,14 +350,30 @@ def generate_batch(engine: Engine, prompts: list, params: SamplingParams | list[
                     break
             anchors[i] = int(nxt[i])
     secs = time.perf_counter() - t0
-    return [GenerationResult(token_ids=s.tokens, text=s.result_text(), finish_reason=s.finish_reason or "length",
-                             prompt_tokens=n, method=engine.method, stats=st, seconds=secs, batch_size=N)
-            for s, n, st in zip(stops, lens, stats)]
+    return [
+        GenerationResult(
+            token_ids=s.tokens,
+            text=s.result_text(),
+            finish_reason=s.finish_reason or "length",
+            prompt_tokens=n,
+            method=engine.method,
+            stats=st,
+            seconds=secs,
+            batch_size=N,
+        )
+        for s, n, st in zip(stops, lens, stats)
+    ]
 
 
 @torch.no_grad()
-def speculative_step(target: Target, drafter: DSpineDraftModel, seqs: torch.Tensor, params: SamplingParams,
-                     generator: torch.Generator | None = None, verifier=verify_sampled):
+def speculative_step(
+    target: Target,
+    drafter: DSpineDraftModel,
+    seqs: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    verifier=verify_sampled,
+):
     """One stateless speculative round for N rows of equal length (full recompute, no caches).
 
     seqs (N, L): committed tokens, the last one the anchor. Returns (accepted (N,), drafts (N, B-1),
@@ -356,6 +390,6 @@ def speculative_step(target: Target, drafter: DSpineDraftModel, seqs: torch.Tens
     out = drafter(drafter.block_inputs(seqs[:, -1:], B), pos, ctx)
     prop = propose(drafter, out, params, generator)
     logits, _ = target.forward(torch.cat([seqs, prop.tokens], 1), None)
-    logits = logits[:, L - 1:]
+    logits = logits[:, L - 1 :]
     n_acc, nxt = verify(prop, logits, params, generator, verifier)
     return n_acc, prop.tokens, nxt

@@ -10,8 +10,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
@@ -62,8 +62,12 @@ _NUMBER_LIST = re.compile(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]")
 
 def json_text(doc) -> str:
     """Indented JSON whose lists of plain numbers (token ids, histograms) stay on one line each."""
-    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]",
-                            json.dumps(doc, indent=1)) + "\n"
+    return (
+        _NUMBER_LIST.sub(
+            lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", json.dumps(doc, indent=1)
+        )
+        + "\n"
+    )
 
 
 def update_summary(path: str | Path, section: str, value: dict) -> None:

@@ -22,7 +22,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not self.temperature >= 0:

@@ -8,6 +8,7 @@ k = 1..B-1, the rounds in which slot k was accepted; `accept_hist[n]` counts rou
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -64,39 +65,67 @@ class AcceptanceStats:
         reach = [1.0, *self.per_slot]
         return [b / a if a else 0.0 for a, b in zip(reach, reach[1:])]
 
-    def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
+    def merge(self, other: AcceptanceStats) -> AcceptanceStats:
         if other.block_size != self.block_size:
             raise ValueError("cannot merge stats of different block sizes")
         return AcceptanceStats(self.block_size, [a + b for a, b in zip(self.accept_hist, other.accept_hist)])
 
     def to_dict(self) -> dict:
-        return {"block_size": self.block_size, "rounds": self.rounds, "accepted": self.accepted,
-                "tau": self.tau, "accept_rate": self.accept_rate, "accept_hist": list(self.accept_hist),
-                "per_slot": self.per_slot}
+        return {
+            "block_size": self.block_size,
+            "rounds": self.rounds,
+            "accepted": self.accepted,
+            "tau": self.tau,
+            "accept_rate": self.accept_rate,
+            "accept_hist": list(self.accept_hist),
+            "per_slot": self.per_slot,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "AcceptanceStats":
+    def from_dict(cls, d: dict) -> AcceptanceStats:
         return cls(int(d["block_size"]), [int(x) for x in d["accept_hist"]])
 
     def sglang_meta(self) -> dict:
         """The per-request fields SGLang 0.5.23 reports (meta_info / sglext.spec_tokens_details)."""
-        return {"spec_accept_length": self.tau, "spec_verify_ct": self.rounds,
-                "spec_accept_rate": self.accept_rate, "spec_num_correct_drafts": self.accepted,
-                "spec_num_proposed_drafts": self.proposed,
-                "spec_correct_drafts_histogram": list(self.accept_hist)}
+        return {
+            "spec_accept_length": self.tau,
+            "spec_verify_ct": self.rounds,
+            "spec_accept_rate": self.accept_rate,
+            "spec_num_correct_drafts": self.accepted,
+            "spec_num_proposed_drafts": self.proposed,
+            "spec_correct_drafts_histogram": list(self.accept_hist),
+        }
 
 
 def summarize(requests: list[AcceptanceStats]) -> dict:
-    """Across requests: mean of per-request τ, pooled τ, pooled per-slot acceptance."""
+    """Across requests: mean of per-request τ, pooled τ, pooled per-slot acceptance (pooled figures None when
+    drafters of different block sizes are mixed)."""
     live = [s for s in requests if s.rounds]
     if not live:
         return {"requests": 0, "tau_mean": 0.0, "tau_pooled": 0.0, "per_slot": [], "rounds": 0}
+    out = {"requests": len(live), "tau_mean": sum(s.tau for s in live) / len(live)}
+    if len({s.block_size for s in live}) != 1:
+        return {**out, "tau_pooled": None, "per_slot": [], "rounds": sum(s.rounds for s in live)}
     pooled = live[0]
     for s in live[1:]:
         pooled = pooled.merge(s)
-    return {"requests": len(live), "tau_mean": sum(s.tau for s in live) / len(live),
-            "tau_pooled": pooled.tau, "per_slot": pooled.per_slot, "rounds": pooled.rounds,
-            "accept_hist": pooled.accept_hist}
+    return {
+        **out,
+        "tau_pooled": pooled.tau,
+        "per_slot": pooled.per_slot,
+        "rounds": pooled.rounds,
+        "accept_hist": pooled.accept_hist,
+        "per_slot_conditional": pooled.per_slot_conditional,
+    }
+
+
+def group_by(items: Iterable[tuple[Hashable, AcceptanceStats | None]]) -> dict:
+    """Acceptance aggregated by any key — workload × thinking level in the store, benchmark × temperature ×
+    method in the eval — -> {key: summarize(...) + "items"}; items without stats (AR) count in "items" only."""
+    groups: dict = {}
+    for key, st in items:
+        groups.setdefault(key, []).append(st)
+    return {k: {**summarize([s for s in v if s is not None]), "items": len(v)} for k, v in groups.items()}
 
 
 def simulated_tau(per_slot_acc: list[float]) -> float:

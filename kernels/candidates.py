@@ -37,9 +37,23 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def tile_topk_kernel(X, W, VALS, IDS, n_rows, V, T, K: tl.constexpr, IN: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+    def tile_topk_kernel(
+        X,
+        W,
+        VALS,
+        IDS,
+        n_rows,
+        V,
+        T,
+        K: tl.constexpr,
+        IN: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PREC: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
         pid_v = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         vv = tl.arange(0, BLOCK_V)
@@ -83,9 +97,23 @@ def fused_top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int) -> tu
     if N:
         BM = min(64, _pow2(N))
         f32 = hidden.dtype == torch.float32
-        _kernel()[(triton_cdiv(N, BM), T)](hidden.contiguous(), head, vals, ids, N, V, T, K=K, IN=D, BLOCK_M=BM,
-                                           BLOCK_V=BLOCK_V, BLOCK_D=64, BLOCK_K=_pow2(K, lo=2),
-                                           PREC="ieee" if f32 else "tf32", DOT_F32=f32 or interpreting())
+        _kernel()[(triton_cdiv(N, BM), T)](
+            hidden.contiguous(),
+            head,
+            vals,
+            ids,
+            N,
+            V,
+            T,
+            K=K,
+            IN=D,
+            BLOCK_M=BM,
+            BLOCK_V=BLOCK_V,
+            BLOCK_D=64,
+            BLOCK_K=_pow2(K, lo=2),
+            PREC="ieee" if f32 else "tf32",
+            DOT_F32=f32 or interpreting(),
+        )
     best, j = vals.view(N, T * K).topk(K, dim=-1)
     return ids.view(N, T * K).gather(1, j).long(), best
 

@@ -26,10 +26,33 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def scores_kernel(HPRE, F, CAND, CODES, HEAD, NORMW, WA, BA, WP, WM, WW, G, OUT, B, K, eps,
-                      D: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+    def scores_kernel(
+        HPRE,
+        F,
+        CAND,
+        CODES,
+        HEAD,
+        NORMW,
+        WA,
+        BA,
+        WP,
+        WM,
+        WW,
+        G,
+        OUT,
+        B,
+        K,
+        eps,
+        D: tl.constexpr,
+        R: tl.constexpr,
+        S: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        PREC: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
         n = tl.program_id(0)
         j = tl.program_id(1)  # slot t = j + 2; predecessor candidates cand[n, j], successors cand[n, j + 1]
         t = j + 2
@@ -53,7 +76,9 @@ def _kernels():
             wp = tl.load(WP + (s0 + sc)[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(wdt)
             wm = tl.load(WM + (s0 + sc)[None, :] * R + rr[:, None], mask=w_mask, other=0.0).to(wdt)
             ga = tl.sum(f[:, None] * wa, axis=0) + tl.load(BA + s0 + sc, mask=s_ok, other=0.0).to(tl.float32)
-            g = tl.sigmoid(ga[None, :] + tl.dot(code, wp, input_precision=PREC)) * tl.dot(code, wm, input_precision=PREC)
+            g = tl.sigmoid(ga[None, :] + tl.dot(code, wp, input_precision=PREC)) * tl.dot(
+                code, wm, input_precision=PREC
+            )
             tl.store(gbase + kk[:, None] * S + s0 + sc[None, :], g, mask=s_ok[None, :])
         tl.debug_barrier()
         acc = tl.zeros((BLOCK_K, BLOCK_K), tl.float32)
@@ -64,23 +89,38 @@ def _kernels():
             for s0 in range(0, S, BLOCK_S):
                 s_ok = (s0 + sc) < S
                 g = tl.load(gbase + kk[:, None] * S + s0 + sc[None, :], mask=s_ok[None, :], other=0.0).to(wdt)
-                ww = tl.load(WW + (d0 + dd)[None, :] * S + s0 + sc[:, None], mask=s_ok[:, None] & d_ok[None, :],
-                             other=0.0).to(wdt)
+                ww = tl.load(
+                    WW + (d0 + dd)[None, :] * S + s0 + sc[:, None], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+                ).to(wdt)
                 w += tl.dot(g, ww, input_precision=PREC)
             hp = tl.load(HPRE + (n * B + t) * D + d0 + dd, mask=d_ok, other=0.0).to(tl.float32)
             h = hp[None, :] + w  # (BLOCK_K, BLOCK_D): the redone hidden of each predecessor candidate
             sq += tl.sum(h * h, axis=1)
             nw = tl.load(NORMW + d0 + dd, mask=d_ok, other=0.0).to(tl.float32)
-            succ = tl.load(HEAD + b[None, :] * D + (d0 + dd)[:, None], mask=d_ok[:, None] & k_ok[None, :],
-                           other=0.0).to(wdt)  # (BLOCK_D, BLOCK_K)
+            succ = tl.load(
+                HEAD + b[None, :] * D + (d0 + dd)[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0
+            ).to(wdt)  # (BLOCK_D, BLOCK_K)
             acc += tl.dot((h * nw[None, :]).to(wdt), succ, input_precision=PREC)
         acc = acc * tl.rsqrt(sq / D + eps)[:, None]
         o = ((n * (B - 2) + j) * K + kk[:, None]) * K + kk[None, :]
         tl.store(OUT + o, acc, mask=k_ok[:, None] & k_ok[None, :])
 
     @triton.jit
-    def walk_kernel(CAND, SC, FIRST, U, TOK, Q, K, temperature, top_k, top_p,
-                    B: tl.constexpr, BLOCK_K: tl.constexpr, SAMPLE: tl.constexpr):
+    def walk_kernel(
+        CAND,
+        SC,
+        FIRST,
+        U,
+        TOK,
+        Q,
+        K,
+        temperature,
+        top_k,
+        top_p,
+        B: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SAMPLE: tl.constexpr,
+    ):
         n = tl.program_id(0)
         kk = tl.arange(0, BLOCK_K)
         k_ok = kk < K
@@ -121,8 +161,9 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def fused_transition_scores(inj, norm, head: torch.Tensor, codes: torch.Tensor, h_pre: torch.Tensor,
-                            f: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+def fused_transition_scores(
+    inj, norm, head: torch.Tensor, codes: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor, cand: torch.Tensor
+) -> torch.Tensor:
     """Same contract as dspine.decoding.transition_scores: h_pre (N, B, d), f (N, B, r), cand (N, B-1, K)
     -> S (N, B-2, K, K) fp32."""
     N, B, D = h_pre.shape
@@ -134,11 +175,34 @@ def fused_transition_scores(inj, norm, head: torch.Tensor, codes: torch.Tensor, 
     scores, _ = _kernels()
     BK = _pow2(K)
     g = torch.empty(N, B - 2, BK, S, device=h_pre.device, dtype=torch.float32)  # per-program scratch
-    scores[(N, B - 2)](h_pre.contiguous(), f.contiguous(), cand.contiguous(), codes, head, norm.weight,
-                       inj.gate_f.weight, inj.gate_f.bias, inj.gate_p.weight, inj.message.weight, inj.write.weight,
-                       g, out, B, K, float(norm.eps), D=D, R=R, S=S, BLOCK_K=BK, BLOCK_D=32, BLOCK_R=_pow2(R),
-                       BLOCK_S=16, PREC=_prec(h_pre.dtype), DOT_F32=h_pre.dtype == torch.float32 or interpreting(),
-                       num_stages=2)
+    scores[(N, B - 2)](
+        h_pre.contiguous(),
+        f.contiguous(),
+        cand.contiguous(),
+        codes,
+        head,
+        norm.weight,
+        inj.gate_f.weight,
+        inj.gate_f.bias,
+        inj.gate_p.weight,
+        inj.message.weight,
+        inj.write.weight,
+        g,
+        out,
+        B,
+        K,
+        float(norm.eps),
+        D=D,
+        R=R,
+        S=S,
+        BLOCK_K=BK,
+        BLOCK_D=32,
+        BLOCK_R=_pow2(R),
+        BLOCK_S=16,
+        PREC=_prec(h_pre.dtype),
+        DOT_F32=h_pre.dtype == torch.float32 or interpreting(),
+        num_stages=2,
+    )
     return out
 
 
@@ -148,21 +212,47 @@ def fused_walk_greedy(cand: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     tok = torch.empty(N, Bm1, dtype=cand.dtype, device=cand.device)
     _, walk = _kernels()
     dummy = S.new_empty(1)
-    walk[(N,)](cand.contiguous(), S.contiguous(), cand, dummy, tok, dummy, K, 1.0, 0, 1.0,
-               B=Bm1 + 1, BLOCK_K=_pow2(K), SAMPLE=False)
+    walk[(N,)](
+        cand.contiguous(),
+        S.contiguous(),
+        cand,
+        dummy,
+        tok,
+        dummy,
+        K,
+        1.0,
+        0,
+        1.0,
+        B=Bm1 + 1,
+        BLOCK_K=_pow2(K),
+        SAMPLE=False,
+    )
     return tok
 
 
-def fused_walk_sample(cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, params, vocab: int,
-                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_walk_sample(
+    cand: torch.Tensor, S: torch.Tensor, first_idx: torch.Tensor, params, vocab: int, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as dspine.decoding.walk_sample with `uniforms` (N, B-2): tokens (N, B-2), q (N, B-2, V)."""
     N, Bm1, K = cand.shape
     tok = torch.empty(N, max(Bm1 - 1, 0), dtype=cand.dtype, device=cand.device)
     qk = torch.zeros(N, max(Bm1 - 1, 0), K, dtype=torch.float32, device=cand.device)
     if Bm1 > 1:
         _, walk = _kernels()
-        walk[(N,)](cand.contiguous(), S.contiguous(), first_idx.contiguous(), uniforms.float().contiguous(), tok, qk,
-                   K, float(params.temperature), int(params.top_k), float(params.top_p),
-                   B=Bm1 + 1, BLOCK_K=_pow2(K), SAMPLE=True)
+        walk[(N,)](
+            cand.contiguous(),
+            S.contiguous(),
+            first_idx.contiguous(),
+            uniforms.float().contiguous(),
+            tok,
+            qk,
+            K,
+            float(params.temperature),
+            int(params.top_k),
+            float(params.top_p),
+            B=Bm1 + 1,
+            BLOCK_K=_pow2(K),
+            SAMPLE=True,
+        )
     q = torch.zeros(N, max(Bm1 - 1, 0), vocab, device=cand.device).scatter_(2, cand[:, 1:], qk)
     return tok, q

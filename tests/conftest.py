@@ -25,13 +25,30 @@ from dspine.train.loop import TrainConfig, train_drafter  # noqa: E402
 METHODS = ("dflash", "post_backbone", "dspine")
 
 
-def tiny_target(arch: str, vocab: int = 128, hidden: int = 64, layers: int = 6, head_scale: float = 1.0,
-                seed: int = 0, dtype=torch.float32) -> Target:
+def tiny_target(
+    arch: str,
+    vocab: int = 128,
+    hidden: int = 64,
+    layers: int = 6,
+    head_scale: float = 1.0,
+    seed: int = 0,
+    dtype=torch.float32,
+) -> Target:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None,
-              eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**kw))
@@ -73,8 +90,9 @@ def tiny(request):
 
 
 def brief_train(drafter, target, pairs, steps=40, **kw):
-    cfg = TrainConfig(steps=steps, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=5, lr=2e-3,
-                      eval_every=10**9, **kw)
+    cfg = TrainConfig(
+        steps=steps, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=5, lr=2e-3, eval_every=10**9, **kw
+    )
     train_drafter(drafter, target, pairs, cfg, progress=False)
     return drafter
 
@@ -99,8 +117,10 @@ def smollm2_pairs(smollm2):
 
     prompts = load_prompts("sharegpt", limit=6, max_chars=300)
     eng = Engine(smollm2)
-    return [(ids + eng.generate(ids, SamplingParams(max_tokens=48)).token_ids, len(ids))
-            for ids in (eng.prompt_ids(p) for p in prompts)]
+    return [
+        (ids + eng.generate(ids, SamplingParams(max_tokens=48)).token_ids, len(ids))
+        for ids in (eng.prompt_ids(p) for p in prompts)
+    ]
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,27 @@ from dspine.drafter import DSpineDraftModel
 def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     ckpt = save_drafter(DSpineDraftModel.for_target(smollm2, method="dspine", num_hidden_layers=1), tmp_path / "d")
     out = tmp_path / "bench.json"
-    assert main(["bench", "--drafter", f"dspine={ckpt}", "--benchmarks", "gsm8k", "--limit", "1",
-                 "--max-new-tokens", "10", "--out", str(out), "--no-progress", "--concurrency", "1,2"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--drafter",
+                f"dspine={ckpt}",
+                "--benchmarks",
+                "gsm8k",
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "10",
+                "--out",
+                str(out),
+                "--no-progress",
+                "--concurrency",
+                "1,2",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     ar, ds = doc["rows"]["ar"], doc["rows"]["dspine"]
     assert doc["concurrency"] == 1 and ar["speedup_vs_ar"] == 1.0 and ar["tokens"] == ds["tokens"] == 10
@@ -35,8 +54,20 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     assert "--agreement-drafters ['dspine']" in capsys.readouterr().err
     assert main(["bench", "--backend", "sglang", "--server-env", "dspine:DSPINE_CANDIDATES"]) == 2
     assert "is not NAME:KEY=VALUE" in capsys.readouterr().err
-    assert main(["bench", "--backend", "sglang", "--drafter", f"dflash={ckpt}",
-                 "--server-env", "dspine:DSPINE_CANDIDATES=torch"]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--backend",
+                "sglang",
+                "--drafter",
+                f"dflash={ckpt}",
+                "--server-env",
+                "dspine:DSPINE_CANDIDATES=torch",
+            ]
+        )
+        == 2
+    )
     assert "'dspine' is not a measured method (ar, dflash)" in capsys.readouterr().err
     assert main(["bench", "--backend", "sglang", "--server-env", "ar:DSPINE_KERNELS=0"]) == 2
     assert "needs SGLang" in capsys.readouterr().err  # a well-formed --server-env passes the checks
@@ -46,21 +77,31 @@ def test_replay_agreement_on_another_engines_outputs(tiny):
     """The SGLang bench's τ agreement: dspine's engine replays the outputs a server returned (here: the engine's
     own free run standing in for SGLang's) and τ per benchmark is set beside the server's."""
     from conftest import brief_train
+
     from dspine.engine import Engine
     from dspine.eval.acceptance import replay
     from dspine.sampling import SamplingParams
     from dspine.sglang.bench import replay_agreement, replay_jobs
 
     target, pairs = tiny
-    drafter = brief_train(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=8,
-                                                      top_k=4, seed=4), target, pairs[4:], steps=40)
+    drafter = brief_train(
+        DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=8, top_k=4, seed=4),
+        target,
+        pairs[4:],
+        steps=40,
+    )
     eng = Engine(target, drafter)
     prompts = [ids[:start] for ids, start in pairs[:4]]
     free = [eng.generate(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts]
     bench_of = ["gsm8k", "gsm8k", "mbpp", "mbpp"]
-    doc = {"prompt_ids": prompts, "outputs_c1": {"dspine": [r.token_ids for r in free]}, "benchmark_of": bench_of,
-           "tau_per_benchmark_c1": {"dspine": {b: sum(r.stats.tau for r, bb in zip(free, bench_of) if bb == b) / 2
-                                               for b in ("gsm8k", "mbpp")}}}
+    doc = {
+        "prompt_ids": prompts,
+        "outputs_c1": {"dspine": [r.token_ids for r in free]},
+        "benchmark_of": bench_of,
+        "tau_per_benchmark_c1": {
+            "dspine": {b: sum(r.stats.tau for r, bb in zip(free, bench_of) if bb == b) / 2 for b in ("gsm8k", "mbpp")}
+        },
+    }
     jobs = replay_jobs(doc, ["dspine"])
     res = replay(target, {"dspine": drafter}, jobs, progress=False)
     agree = replay_agreement(doc, jobs, res, "float32")["dspine"]

@@ -9,22 +9,51 @@ from dspine.cli import main
 
 
 def test_help_explains_every_option():
-    out = subprocess.run([sys.executable, "-m", "dspine.cli", "generate", "--help"], capture_output=True,
-                         text=True, check=True).stdout
-    for opt in ("--target", "--drafter", "--method", "--prompt", "--chat", "--max-tokens", "--temperature",
-                "--top-p", "--top-k", "--stop", "--seed", "--json"):
+    out = subprocess.run(
+        [sys.executable, "-m", "dspine.cli", "generate", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for opt in (
+        "--target",
+        "--drafter",
+        "--method",
+        "--prompt",
+        "--chat",
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--stop",
+        "--seed",
+        "--json",
+    ):
         assert opt in out
 
 
 def test_generate_dspine_on_real_target(tmp_path, smollm2_drafters, capsys):
     ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp_path / "dspine")
-    rc = main(["generate", "--drafter", str(ckpt), "--method", "dspine", "--max-tokens", "24", "--json",
-               "--prompt", "What is the capital of France?"])
+    rc = main(
+        [
+            "generate",
+            "--drafter",
+            str(ckpt),
+            "--method",
+            "dspine",
+            "--max-tokens",
+            "24",
+            "--json",
+            "--prompt",
+            "What is the capital of France?",
+        ]
+    )
     assert rc == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["method"] == "dspine" and spec["text"].strip() and 1.0 <= spec["tau"] <= 16
-    assert main(["generate", "--method", "ar", "--max-tokens", "24", "--json",
-                 "--prompt", "What is the capital of France?"]) == 0
+    assert (
+        main(
+            ["generate", "--method", "ar", "--max-tokens", "24", "--json", "--prompt", "What is the capital of France?"]
+        )
+        == 0
+    )
     ar = json.loads(capsys.readouterr().out)
     assert ar["text"] == spec["text"] and "tau" not in ar
 

@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 from conftest import tiny_target
+
 from dspine.engine import Engine
 from dspine.serve.server import Service
 
@@ -15,9 +16,16 @@ def test_grafana_dashboard_queries_exported_metrics():
     from prometheus_client import generate_latest
 
     svc = Service(Engine(tiny_target("llama")))
-    svc.metrics.observe({"workload": "swe", "thinking": "low", "method": "dspine", "completion_tokens": 5,
-                         "latency_s": 0.2, "spec": {"spec_verify_ct": 2, "spec_num_correct_drafts": 3,
-                                                    "spec_accept_length": 2.5}})
+    svc.metrics.observe(
+        {
+            "workload": "swe",
+            "thinking": "low",
+            "method": "dspine",
+            "completion_tokens": 5,
+            "latency_s": 0.2,
+            "spec": {"spec_verify_ct": 2, "spec_num_correct_drafts": 3, "spec_accept_length": 2.5},
+        }
+    )
     svc.metrics.errors.labels("400").inc()
     from dspine.serve.litellm_hooks import _metrics
 
@@ -37,5 +45,12 @@ def test_grafana_dashboard_queries_exported_metrics():
     assert used and used <= exported, used - exported
     for e in exprs:  # labels grouped on exist on the metrics
         for labels in re.findall(r"by \(([^)]*)\)", e):
-            assert set(map(str.strip, labels.split(","))) <= {"workload", "thinking", "method", "le", "code",
-                                                                  "model", "drafter"}
+            assert set(map(str.strip, labels.split(","))) <= {
+                "workload",
+                "thinking",
+                "method",
+                "le",
+                "code",
+                "model",
+                "drafter",
+            }

@@ -9,9 +9,9 @@ import socket
 
 import torch
 import torch.multiprocessing as mp
+from conftest import tiny_target
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_target
 from dspine.drafter import DSpineDraftModel
 from dspine.train.loop import TrainConfig, train_drafters
 
@@ -26,15 +26,18 @@ def _samples() -> list[tuple[list[int], int]]:
 
 
 def _cfg() -> TrainConfig:
-    return TrainConfig(steps=STEPS, batch_size=4, anchors_per_seq=L - 1, max_len=64, lr=3e-3, warmup_steps=1,
-                       gamma=3.5, eval_every=100)
+    return TrainConfig(
+        steps=STEPS, batch_size=4, anchors_per_seq=L - 1, max_len=64, lr=3e-3, warmup_steps=1, gamma=3.5, eval_every=100
+    )
 
 
 def _train() -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
     target = tiny_target("llama")
-    drafters = {m: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=2, block_size=4, seed=0)
-                for m in ("dspine", "dflash")}
+    drafters = {
+        m: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=2, block_size=4, seed=0)
+        for m in ("dspine", "dflash")
+    }
     hist = train_drafters(drafters, target, _samples(), _cfg(), progress=False)
     out = {f"{m}.{k}": v.detach().clone() for m, d in drafters.items() for k, v in d.state_dict().items()}
     out["first_loss"] = torch.tensor([hist["dspine"][0]["loss"]], dtype=torch.float64)  # this process's batch
@@ -42,8 +45,9 @@ def _train() -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     from dspine.train.loop import init_distributed
 
     assert init_distributed("cpu") == (rank, world)

@@ -4,9 +4,9 @@ a verifier that skips the min(1, p/q) test fails the same check."""
 
 import pytest
 import torch
+from conftest import perturb_writes, tiny_target
 from scipy.stats import chisquare
 
-from conftest import perturb_writes, tiny_target
 from dspine.drafter import DSpineDraftModel
 from dspine.engine import speculative_step
 from dspine.sampling import SamplingParams, sample, warp_probs
@@ -81,9 +81,12 @@ def make_drafter(target, method):
     return perturb_writes(d, std=0.5, seed=3)
 
 
-CASES = [("dflash", SamplingParams(temperature=1.0)), ("post_backbone", SamplingParams(temperature=1.0)),
-         ("dspine", SamplingParams(temperature=1.0)),
-         ("dspine", SamplingParams(temperature=0.8, top_k=6, top_p=0.9))]
+CASES = [
+    ("dflash", SamplingParams(temperature=1.0)),
+    ("post_backbone", SamplingParams(temperature=1.0)),
+    ("dspine", SamplingParams(temperature=1.0)),
+    ("dspine", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
+]
 
 
 @pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-T{p.temperature}-k{p.top_k}" for m, p in CASES])
@@ -103,7 +106,7 @@ def test_ar_sampler_matches_exact_marginals(peaked_target):
     for _ in range(POSITIONS):
         logits, _ = peaked_target.forward(seqs, None)
         seqs = torch.cat([seqs, sample(warp_probs(logits[:, -1], params), gen)[:, None]], 1)
-    assert min(chi2_pvalues(seqs[:, len(PROMPT):], exact_ar_marginals(peaked_target, params))) > 0.01
+    assert min(chi2_pvalues(seqs[:, len(PROMPT) :], exact_ar_marginals(peaked_target, params))) > 0.01
 
 
 def test_broken_verifier_is_caught(peaked_target):

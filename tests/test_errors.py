@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import tiny_target
+
 from dspine.checkpoint import CheckpointError, load_drafter, save_drafter
 from dspine.drafter import DSpineDraftModel
 from dspine.engine import Engine

@@ -14,19 +14,28 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dspine.decoding import transition_scores, walk_greedy, walk_sample  # noqa: E402
+from dspine.decoding import (  # noqa: E402
+    top_candidates,  # noqa: E402
+    transition_scores,
+    walk_greedy,
+    walk_sample,
+)
 from dspine.drafter import Injection, RMSNorm  # noqa: E402
-from dspine.sampling import SamplingParams  # noqa: E402
-from dspine.decoding import top_candidates  # noqa: E402
 from dspine.kernels.candidates import fused_top_candidates  # noqa: E402
 from dspine.kernels.injection import fused_injection, injection_variant  # noqa: E402
 from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy, fused_walk_sample  # noqa: E402
+from dspine.sampling import SamplingParams  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 pytestmark = [pytest.mark.gpu] if CUDA else []
 # (N, B, K, d, r, s): batch 1-32, both block sizes, K 4-32; the first row is the real target's width
-SHAPES = [(1, 16, 8, 576, 256, 256), (3, 8, 4, 64, 32, 48), (32, 8, 16, 64, 32, 32), (5, 16, 4, 96, 64, 64),
-          (2, 16, 32, 64, 32, 32)]  # K = 32: the widest walk the recipe evaluates
+SHAPES = [
+    (1, 16, 8, 576, 256, 256),
+    (3, 8, 4, 64, 32, 48),
+    (32, 8, 16, 64, 32, 32),
+    (5, 16, 4, 96, 64, 64),
+    (2, 16, 32, 64, 32, 32),
+]  # K = 32: the widest walk the recipe evaluates
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the largest magnitude
 
 
@@ -147,8 +156,14 @@ def test_sampled_walk_takes_each_candidate_with_its_probability():
     cand = torch.tensor([[[0, 1, 2, 3], [4, 5, 6, 7]]], device=DEV)
     u = torch.rand(2000, 1, generator=torch.Generator().manual_seed(0)).to(DEV)
     params = SamplingParams(temperature=1.0)
-    toks, q = fused_walk_sample(cand.expand(2000, -1, -1), S.expand(2000, -1, -1, -1), torch.zeros(2000, dtype=torch.long,
-                                device=DEV), params, V, u)
+    toks, q = fused_walk_sample(
+        cand.expand(2000, -1, -1),
+        S.expand(2000, -1, -1, -1),
+        torch.zeros(2000, dtype=torch.long, device=DEV),
+        params,
+        V,
+        u,
+    )
     freq = torch.bincount(toks[:, 0].cpu(), minlength=V).float() / 2000
     assert (freq - q[0, 0].cpu()).abs().max() < 0.04
 
@@ -158,6 +173,7 @@ def test_sampled_walk_takes_each_candidate_with_its_probability():
 def test_engine_fused_path_equals_eager_and_ar_on_cuda(monkeypatch):
     """fp32 on the GPU: speculative decoding through the kernels gives AR's tokens, as the eager path does."""
     from conftest import perturb_writes, tiny_target
+
     from dspine.drafter import DSpineDraftModel
     from dspine.engine import Engine
 
@@ -165,10 +181,14 @@ def test_engine_fused_path_equals_eager_and_ar_on_cuda(monkeypatch):
     target.model.to("cuda")
     drafter = perturb_writes(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2)).to("cuda")
     drafter.bind(target)
-    prompts = [[int(x) for x in torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(i))] for i in range(4)]
+    prompts = [
+        [int(x) for x in torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(i))] for i in range(4)
+    ]
     ar = [Engine(target).generate(p, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids for p in prompts]
     for flag in ("1", "0"):
         monkeypatch.setenv("DSPINE_KERNELS", flag)
-        spec = [Engine(target, drafter).generate(p, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids
-                for p in prompts]
+        spec = [
+            Engine(target, drafter).generate(p, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids
+            for p in prompts
+        ]
         assert spec == ar, flag

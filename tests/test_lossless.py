@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import CHAT_PROMPTS, METHODS, brief_train, perturb_writes
+
 from dspine.drafter import DSpineDraftModel
 from dspine.engine import Engine
 from dspine.sampling import SamplingParams
@@ -13,10 +13,15 @@ from dspine.sampling import SamplingParams
 def test_tiny_targets_greedy_equals_ar(tiny, method):
     target, pairs = tiny
     ar = Engine(target)
-    fresh = perturb_writes(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8,
-                                                       top_k=4, seed=3))
-    trained = brief_train(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8,
-                                                      top_k=4, seed=4), target, pairs[4:], steps=40)
+    fresh = perturb_writes(
+        DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=3)
+    )
+    trained = brief_train(
+        DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4),
+        target,
+        pairs[4:],
+        steps=40,
+    )
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     taus = []
     for drafter in (fresh, trained):
@@ -56,8 +61,11 @@ def test_stop_conditions_match_ar(smollm2, smollm2_drafters):
     """EOS, stop strings and max_tokens end speculative decoding exactly where AR ends."""
     drafter = smollm2_drafters["dspine"][1]
     ar, spec = Engine(smollm2), Engine(smollm2, drafter)
-    cases = [SamplingParams(max_tokens=200), SamplingParams(max_tokens=80, stop=["."]),
-             SamplingParams(max_tokens=7, ignore_eos=True)]
+    cases = [
+        SamplingParams(max_tokens=200),
+        SamplingParams(max_tokens=80, stop=["."]),
+        SamplingParams(max_tokens=7, ignore_eos=True),
+    ]
     for params in cases:
         want = ar.generate(CHAT_PROMPTS[0], params)
         got = spec.generate(CHAT_PROMPTS[0], params)
@@ -88,8 +96,12 @@ def test_batched_greedy_equals_single_request_ar(tiny, method):
     ar = Engine(target)
     drafter = None
     if method != "ar":
-        drafter = brief_train(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8,
-                                                          top_k=4, seed=4), target, pairs[4:], steps=40)
+        drafter = brief_train(
+            DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4),
+            target,
+            pairs[4:],
+            steps=40,
+        )
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [ids[: start - k] for k, (ids, start) in enumerate(pairs[:4])]  # lengths 6, 5, 4, 3
     got = generate_batch(Engine(target, drafter), prompts, params)
@@ -115,8 +127,12 @@ def test_forced_continuation_replays_the_same_rounds(tiny, method):
     free run may accept drafts past max_tokens (cut off) and the given text has nothing to match them with —;
     on another text it commits that text, drafts accepted only where they match it."""
     target, pairs = tiny
-    drafter = brief_train(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8,
-                                                      top_k=4, seed=4), target, pairs[4:], steps=40)
+    drafter = brief_train(
+        DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4),
+        target,
+        pairs[4:],
+        steps=40,
+    )
     spec, params = Engine(target, drafter), SamplingParams(max_tokens=40, ignore_eos=True)
     for ids, start in pairs[:3]:
         free = spec.generate(ids[:start], params)

@@ -37,10 +37,11 @@ def test_regen_accounts_and_resumes(regen_dir, smollm2):
 
 def test_regen_matches_engine_greedy(regen_dir, smollm2):
     """The batched regen is the target's own greedy continuation (what the drafter must learn)."""
+    import pyarrow.parquet as pq
+
     from dspine.engine import Engine
     from dspine.sampling import SamplingParams
 
-    import pyarrow.parquet as pq
     rows = pq.read_table(sorted(regen_dir.glob("part-*.parquet"))[0]).to_pylist()
     row = next(r for r in rows if r["id"] == "a")
     res = Engine(smollm2).generate(row["prompt_ids"], SamplingParams(max_tokens=12))
@@ -62,8 +63,20 @@ def test_regen_errors(tmp_path, smollm2):
 
 
 def test_train_resume_equals_straight_run(regen_dir, tmp_path):
-    common = ["train", "--data", str(regen_dir), "--layers", "1", "--block-size", "4", "--no-progress",
-              "train.batch_size=2", "train.anchors_per_seq=3", "train.eval_every=2", "train.warmup_steps=1"]
+    common = [
+        "train",
+        "--data",
+        str(regen_dir),
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--no-progress",
+        "train.batch_size=2",
+        "train.anchors_per_seq=3",
+        "train.eval_every=2",
+        "train.warmup_steps=1",
+    ]
     assert main(common + ["--out", str(tmp_path / "straight"), "train.steps=4"]) == 0
     assert main(common + ["--out", str(tmp_path / "split"), "train.steps=2"]) == 0
     assert main(common + ["--out", str(tmp_path / "split"), "--resume", "train.steps=4"]) == 0
@@ -72,8 +85,20 @@ def test_train_resume_equals_straight_run(regen_dir, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "split" / "best" / "config.json").is_file()
     # warm start copies weights only: a new run from the straight run's weights
-    assert main(common + ["--out", str(tmp_path / "warm"), "--warm-start", str(tmp_path / "straight" / "last"),
-                          "train.steps=1", "train.lr=1e-12"]) == 0
+    assert (
+        main(
+            common
+            + [
+                "--out",
+                str(tmp_path / "warm"),
+                "--warm-start",
+                str(tmp_path / "straight" / "last"),
+                "train.steps=1",
+                "train.lr=1e-12",
+            ]
+        )
+        == 0
+    )
     c = load_drafter(tmp_path / "warm" / "last").state_dict()
     assert torch.allclose(c["fc.weight"], a["fc.weight"], atol=1e-6)
 
@@ -93,12 +118,27 @@ def test_train_and_eval_errors(tmp_path, regen_dir, capsys):
 
 def test_eval_refuses_checkpoint_for_another_target(tmp_path, capsys):
     from conftest import tiny_target
+
     from dspine.checkpoint import save_drafter
     from dspine.drafter import DSpineDraftModel
 
     path = save_drafter(DSpineDraftModel.for_target(tiny_target("llama"), num_hidden_layers=1), tmp_path / "t")
-    assert main(["eval", "--drafter", f"x={path}", "--benchmarks", "gsm8k", "--limit", "1",
-                 "--out", str(tmp_path / "e.json")]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "--drafter",
+                f"x={path}",
+                "--benchmarks",
+                "gsm8k",
+                "--limit",
+                "1",
+                "--out",
+                str(tmp_path / "e.json"),
+            ]
+        )
+        == 2
+    )
     assert "vocab 128" in capsys.readouterr().err
     assert not (tmp_path / "e.json").exists()
 
@@ -117,8 +157,13 @@ def test_tiny_recipe_end_to_end(tmp_path):
     doc = run_eval_stage(cfg, tmp_path, tmp_path / "acc.json", progress=False)
     # two engine processes give the very same tokens and acceptance as one
     par = run_eval_stage(dataclasses.replace(cfg, eval_workers=2), tmp_path, tmp_path / "par.json", progress=False)
-    strip = lambda d: {b: {T: {m: {k: v for k, v in r.items() if k != "seconds"} for m, r in c.items()}  # noqa: E731
-                           for T, c in bt.items()} for b, bt in d["results"].items()}
+    strip = lambda d: {
+        b: {
+            T: {m: {k: v for k, v in r.items() if k != "seconds"} for m, r in c.items()}  # noqa: E731
+            for T, c in bt.items()
+        }
+        for b, bt in d["results"].items()
+    }
     assert strip(par) == strip(doc)
     md = (tmp_path / "acc.md").read_text()
     assert "Held-out simulated" in md and "Per-slot acceptance at T = 0" in md

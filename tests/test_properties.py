@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import perturb_writes, tiny_target
+
 from dspine.checkpoint import load_drafter, save_drafter
 from dspine.config import ConfigError, apply_overrides, from_dict
 from dspine.decoding import propose, transition_scores
@@ -62,8 +62,9 @@ def test_zero_writes_give_dflash_logits():
 @pytest.mark.parametrize("method", ["dspine", "post_backbone"])
 def test_transition_scores_equal_naive_recomputation(method):
     target = tiny_target("qwen3")
-    d = perturb_writes(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=6,
-                                                   top_k=5, seed=2))
+    d = perturb_writes(
+        DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=6, top_k=5, seed=2)
+    )
     block, pos, ctx = _block(d, target)
     out = d(block, pos, ctx)
     last = d.config.num_hidden_layers - 1
@@ -76,8 +77,10 @@ def test_transition_scores_equal_naive_recomputation(method):
     for n in range(N):
         for t in range(2, B):
             for i, a in enumerate(cand[n, t - 2].tolist()):
-                h = h_pre[n, t] + inj.write(torch.sigmoid(inj.gate_f(f[n, t]) + inj.gate_p(d.transfer_codes[a]))
-                                            * inj.message(d.transfer_codes[a]))
+                h = h_pre[n, t] + inj.write(
+                    torch.sigmoid(inj.gate_f(f[n, t]) + inj.gate_p(d.transfer_codes[a]))
+                    * inj.message(d.transfer_codes[a])
+                )
                 full = d.logits(h)
                 for j, b in enumerate(cand[n, t - 1].tolist()):
                     assert torch.allclose(S[n, t - 2, i, j], full[b], atol=1e-4, rtol=1e-4)
@@ -114,6 +117,7 @@ def test_checkpoint_round_trip_is_exact(tmp_path, method):
     block, pos, ctx = _block(d, target)
     assert torch.equal(d(block, pos, ctx).hidden, e(block, pos, ctx).hidden)
     import json
+
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert cfg["architectures"] == ["DSpineDraftModel"] and cfg["block_size"] == 8
     assert set(cfg["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
@@ -175,8 +179,9 @@ def test_lockstep_training_equals_training_alone(tiny):
     for d in alone.values():
         train_drafter(d, target, pairs, cfg, eval_samples=pairs[:4], progress=False)
     together = {**{m: make(m) for m in ("dflash", "dspine")}, "dspine_L1": make("dspine", 1)}
-    hist = train_drafters(together, target, pairs, cfg, eval_samples=pairs[:4], progress=False,
-                          losses={"dspine_L1": {"cos_weight": 0.0}})
+    hist = train_drafters(
+        together, target, pairs, cfg, eval_samples=pairs[:4], progress=False, losses={"dspine_L1": {"cos_weight": 0.0}}
+    )
     for m, d in alone.items():
         a, b = d.state_dict(), together[m].state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a), m
@@ -229,18 +234,22 @@ def test_pause_after_a_time_limit_then_resume_equals_a_straight_run(tiny, tmp_pa
 
     target, pairs = tiny
     kw = dict(steps=12, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=2, lr=2e-3, eval_every=5)
-    make = lambda: {m: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=2, block_size=8)  # noqa: E731
-                    for m in ("dflash", "dspine")}
+    make = lambda: {
+        m: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=2, block_size=8)  # noqa: E731
+        for m in ("dflash", "dspine")
+    }
     straight = make()
     train_drafters(straight, target, pairs, TrainConfig(**kw), eval_samples=pairs[:4], progress=False)
     paused = make()
     outs = {m: tmp_path / m for m in paused}
-    h1 = train_drafters(paused, target, pairs, TrainConfig(**kw, stop_after_s=1e-9), eval_samples=pairs[:4],
-                        progress=False, outs=outs)
+    h1 = train_drafters(
+        paused, target, pairs, TrainConfig(**kw, stop_after_s=1e-9), eval_samples=pairs[:4], progress=False, outs=outs
+    )
     assert len(h1["dspine"]) == 1 and (tmp_path / "dspine" / "last" / "trainer_state.json").is_file()
     resumed = make()
-    h2 = train_drafters(resumed, target, pairs, TrainConfig(**kw), eval_samples=pairs[:4], progress=False,
-                        outs=outs, resume=True)
+    h2 = train_drafters(
+        resumed, target, pairs, TrainConfig(**kw), eval_samples=pairs[:4], progress=False, outs=outs, resume=True
+    )
     assert len(h2["dspine"]) == 12 and h2["dspine"][-1]["elapsed_s"] >= h1["dspine"][-1]["elapsed_s"]
     for m in straight:
         a, b = straight[m].state_dict(), resumed[m].state_dict()
@@ -253,13 +262,17 @@ def test_simulated_tau_counts_what_the_walk_can_pick(tiny):
     K = V the two agree."""
     import random
 
-    from dspine.train.loop import FeatureSource, drafter_losses, make_batch
+    from dspine.train.losses import FeatureSource, drafter_losses, make_batch
 
     target, pairs = tiny
-    d = perturb_writes(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=8),
-                       std=0.3)
-    train_drafter(d, target, pairs, TrainConfig(steps=30, batch_size=4, anchors_per_seq=6, gamma=4.0,
-                                                warmup_steps=2, lr=3e-3, eval_every=10**9), progress=False)
+    d = perturb_writes(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=8), std=0.3)
+    train_drafter(
+        d,
+        target,
+        pairs,
+        TrainConfig(steps=30, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=2, lr=3e-3, eval_every=10**9),
+        progress=False,
+    )
     batch = make_batch(pairs[:8], 12, 8, 256, random.Random(0))
     src = FeatureSource(target, [d])
     feats = src.select(src(batch.ids), d)

@@ -16,15 +16,18 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import running_server
+
 from dspine.checkpoint import save_drafter
 from dspine.process import free_port, wait_http
-from dspine.stats import AcceptanceStats
+from dspine.serve.records import RequestRecord
 from dspine.serve.store import AcceptanceStore
+from dspine.stats import AcceptanceStats
 
 KEY = "sk-dspine-test-key"
-ARTIFACTS = Path(os.environ.get("DSPINE_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "runs" / "test-artifacts"))
+ARTIFACTS = Path(
+    os.environ.get("DSPINE_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "runs" / "test-artifacts")
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +37,13 @@ def stack(tmp_path_factory, smollm2_drafters):
     tmp = tmp_path_factory.mktemp("proxy")
     ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp / "dspine")
     with running_server(ckpt, "smol-backend") as server:
-        cfg = ProxyConfig(backends=[Backend("smol", server + "/v1", "smol-backend")], port=free_port(),
-                          db=str(tmp / "acceptance.db"), metrics_port=free_port(), workdir=str(tmp / "litellm"))
+        cfg = ProxyConfig(
+            backends=[Backend("smol", server + "/v1", "smol-backend")],
+            port=free_port(),
+            db=str(tmp / "acceptance.db"),
+            metrics_port=free_port(),
+            workdir=str(tmp / "litellm"),
+        )
         with open(tmp / "litellm.log", "w") as log:
             proc = start_proxy(cfg, key=KEY, log=log)
         try:
@@ -72,9 +80,14 @@ def test_requests_through_the_proxy_are_recorded_once_with_the_servers_tau(stack
     for workload in ("swe", "tool_use"):
         for effort in ("none", "high"):
             for stream in (False, True):
-                kw = dict(model="smol", max_tokens=8, temperature=0, reasoning_effort=effort,
-                          metadata={"workload": workload},
-                          messages=[{"role": "user", "content": f"Name one {workload} tool. ({effort})"}])
+                kw = dict(
+                    model="smol",
+                    max_tokens=8,
+                    temperature=0,
+                    reasoning_effort=effort,
+                    metadata={"workload": workload},
+                    messages=[{"role": "user", "content": f"Name one {workload} tool. ({effort})"}],
+                )
                 if stream:
                     ids = {c.id for c in client.chat.completions.create(stream=True, **kw)}
                     assert len(ids) == 1
@@ -101,8 +114,12 @@ def test_requests_through_the_proxy_are_recorded_once_with_the_servers_tau(stack
     text = urllib.request.urlopen(f"http://127.0.0.1:{stack['cfg'].metrics_port}/metrics", timeout=10).read().decode()
     for workload in ("swe", "tool_use"):
         for effort in ("none", "high"):
-            line = re.search(r'^dspine_proxy_requests_total\{(?=[^}]*workload="%s")(?=[^}]*thinking="%s")[^}]*\} (\S+)$'
-                             % (workload, effort), text, re.M)
+            line = re.search(
+                rf'^dspine_proxy_requests_total\{{(?=[^}}]*workload="{workload}")'
+                rf'(?=[^}}]*thinking="{effort}")[^}}]*\}} (\S+)$',
+                text,
+                re.M,
+            )
             assert line and float(line.group(1)) == 2.0, (workload, effort)
     rounds = sum(r["verify_rounds"] for r in rows)
     got = sum(float(v) for v in re.findall(r"^dspine_proxy_verify_rounds_total\{[^}]*\} (\S+)$", text, re.M))
@@ -116,10 +133,14 @@ def test_the_proxy_refuses_a_missing_or_wrong_key(stack):
     for key in ("sk-wrong", "none"):
         with pytest.raises(AuthenticationError) as e:
             OpenAI(base_url=stack["proxy"] + "/v1", api_key=key, max_retries=0).chat.completions.create(
-                model="smol", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+                model="smol", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
         assert e.value.status_code == 401 and "key" in str(e.value)
-    req = urllib.request.Request(stack["proxy"] + "/v1/chat/completions", json.dumps(
-        {"model": "smol", "messages": [{"role": "user", "content": "hi"}]}).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        stack["proxy"] + "/v1/chat/completions",
+        json.dumps({"model": "smol", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        {"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 401
@@ -135,15 +156,29 @@ def test_dashboard_renders_the_recorded_data_in_chromium(stack):
     assert len(rows) >= 8, "the proxy test records the data this test draws"
     summary = AcceptanceStore(db).summary()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dspine.cli", "dashboard", "--db", db, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dspine.cli", "dashboard", "--db", db, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}/"
     try:
         wait_http(url, proc, 60)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={stack['tmp'] / 'chromium'}", "--virtual-time-budget=8000", "--window-size=1240,1000"]
+        flags = [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={stack['tmp'] / 'chromium'}",
+            "--virtual-time-budget=8000",
+            "--window-size=1240,1000",
+        ]
         dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
         shot = ARTIFACTS / "dashboard.png"
         subprocess.run(flags + [f"--screenshot={shot}", url], capture_output=True, timeout=120)
@@ -151,18 +186,26 @@ def test_dashboard_renders_the_recorded_data_in_chromium(stack):
         proc.terminate()
         proc.wait(timeout=30)
     assert 'data-rendered="1"' in dom, dom[:2000]
-    assert re.search(r'id="status"[^>]*data-requests="%d"' % summary["requests"], dom) or \
-        f'data-requests="{summary["requests"]}"' in dom
-    bars = {(m.group(1), m.group(2)): float(m.group(3)) for m in re.finditer(
-        r'<rect[^>]*class="tau-bar"[^>]*data-workload="([^"]+)"[^>]*data-thinking="([^"]+)"[^>]*data-tau="([^"]+)"', dom)}
+    assert (
+        re.search(rf'id="status"[^>]*data-requests="{summary["requests"]}"', dom)
+        or f'data-requests="{summary["requests"]}"' in dom
+    )
+    bars = {
+        (m.group(1), m.group(2)): float(m.group(3))
+        for m in re.finditer(
+            r'<rect[^>]*class="tau-bar"[^>]*data-workload="([^"]+)"[^>]*data-thinking="([^"]+)"[^>]*data-tau="([^"]+)"',
+            dom,
+        )
+    }
     want = {(c["workload"], c["thinking"]): c["tau_mean"] for c in summary["cells"] if c["tau_mean"] is not None}
     assert set(bars) == set(want) and len(want) == 4
     for k, v in want.items():
         assert bars[k] == pytest.approx(v, abs=1e-4)
     curves = re.findall(r'<polyline[^>]*class="slot-curve"[^>]*data-per-slot="([^"]+)"', dom)
     assert len(curves) == 4
-    assert sorted(tuple(round(float(x), 4) for x in c.split()) for c in curves) == \
-        sorted(tuple(round(p, 4) for p in c["per_slot"]) for c in summary["cells"])
+    assert sorted(tuple(round(float(x), 4) for x in c.split()) for c in curves) == sorted(
+        tuple(round(p, 4) for p in c["per_slot"]) for c in summary["cells"]
+    )
     assert len(re.findall(r'class="rps-point"', dom)) == len(summary["series"]) >= 1
     assert shot.is_file() and shot.stat().st_size > 10_000  # the screenshot, kept as a test artifact
 
@@ -170,8 +213,11 @@ def test_dashboard_renders_the_recorded_data_in_chromium(stack):
 def _writer(db, start):
     store = AcceptanceStore(db)
     for i in range(start, start + 50):
-        store.append({"request_id": f"r{i}", "model": "m", "workload": "w", "thinking": "none", "stream": False,
-                      "accept_hist": [1, 2, 3, 0], "tau": AcceptanceStats(4, [1, 2, 3, 0]).tau})
+        store.append(
+            RequestRecord(
+                request_id=f"r{i}", model="m", workload="w", thinking="none", stream=False, accept_hist=[1, 2, 3, 0]
+            )
+        )
 
 
 def test_store_is_append_only_and_safe_under_concurrent_writers(tmp_path):

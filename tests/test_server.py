@@ -6,8 +6,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from conftest import running_server
+
 from dspine.checkpoint import save_drafter
 from dspine.engine import Engine
 from dspine.sampling import SamplingParams
@@ -35,20 +35,37 @@ def get(base, path):
         return r.read().decode()
 
 
-CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24,
-        "temperature": 0}
+CHAT = {
+    "model": "smol",
+    "messages": [{"role": "user", "content": "Name three colours."}],
+    "max_tokens": 24,
+    "temperature": 0,
+}
 
 
 def test_chat_returns_acceptance_in_sglang_shape(server, smollm2):
-    status, body, headers = post(server, "/v1/chat/completions",
-                                 {**CHAT, "return_spec_tokens_details": True, "return_meta_info": True,
-                                  "metadata": {"workload": "swe"}, "reasoning_effort": "none"})
+    status, body, headers = post(
+        server,
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "return_spec_tokens_details": True,
+            "return_meta_info": True,
+            "metadata": {"workload": "swe"},
+            "reasoning_effort": "none",
+        },
+    )
     assert status == 200, body
     j = json.loads(body)
     assert j["object"] == "chat.completion" and j["choices"][0]["message"]["role"] == "assistant"
     spec = j["sglext"]["spec_tokens_details"]
     assert 1.0 <= spec["spec_accept_length"] <= 16 and spec["spec_verify_ct"] >= 1
-    for k in ("spec_accept_rate", "spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_correct_drafts_histogram"):
+    for k in (
+        "spec_accept_rate",
+        "spec_num_correct_drafts",
+        "spec_num_proposed_drafts",
+        "spec_correct_drafts_histogram",
+    ):
         assert k in spec and k in j["meta_info"]
     assert spec["spec_num_proposed_drafts"] == 15 * spec["spec_verify_ct"]
     # lossless through the server: greedy text equals the target alone
@@ -62,10 +79,13 @@ def test_chat_returns_acceptance_in_sglang_shape(server, smollm2):
 def test_streaming_matches_non_streaming(server):
     _, body, _ = post(server, "/v1/chat/completions", CHAT)
     full = json.loads(body)["choices"][0]["message"]["content"]
-    status, body, headers = post(server, "/v1/chat/completions", {**CHAT, "stream": True,
-                                                                  "return_spec_tokens_details": True})
+    status, body, headers = post(
+        server, "/v1/chat/completions", {**CHAT, "stream": True, "return_spec_tokens_details": True}
+    )
     assert status == 200
-    events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    events = [
+        json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     assert body.rstrip().endswith("data: [DONE]") and len(events) >= 2
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
     assert text == full
@@ -80,21 +100,27 @@ def test_streaming_with_stop_string(server):
     _, full, _ = post(server, "/v1/chat/completions", body)
     full = json.loads(full)["choices"][0]
     _, streamed, _ = post(server, "/v1/chat/completions", {**body, "stream": True})
-    events = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    events = [
+        json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
     assert full["finish_reason"] == "stop" and "," not in full["message"]["content"]
     assert text == full["message"]["content"] and events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_completions_models_metrics_and_effort(server):
-    status, body, _ = post(server, "/v1/completions", {"model": "smol", "prompt": "The sky is", "max_tokens": 8,
-                                                       "temperature": 0})
+    status, body, _ = post(
+        server, "/v1/completions", {"model": "smol", "prompt": "The sky is", "max_tokens": 8, "temperature": 0}
+    )
     assert status == 200 and json.loads(body)["object"] == "text_completion"
     models = json.loads(get(server, "/v1/models"))
     assert models["data"][0]["id"] == "smol" and models["data"][0]["method"] == "dspine"
     _, b_none, _ = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "reasoning_effort": "none"})
-    _, b_high, _ = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "reasoning_effort": "high",
-                                                         "metadata": {"workload": "office"}})
+    _, b_high, _ = post(
+        server,
+        "/v1/chat/completions",
+        {**CHAT, "max_tokens": 2, "reasoning_effort": "high", "metadata": {"workload": "office"}},
+    )
     high = json.loads(b_high)
     assert high["usage"]["prompt_tokens"] > json.loads(b_none)["usage"]["prompt_tokens"]  # the budget instruction
     assert json.loads(get(server, f"/v1/dspine/requests/{high['id']}"))["thinking"] == "high"
@@ -134,8 +160,12 @@ def test_concurrent_requests_are_batched_and_equal_ar(server, smollm2, smollm2_d
         import time
 
         time.sleep(1.0)  # the first request is decoding; the next four queue behind it
-        rest = list(ex.map(lambda p: post(server, "/v1/chat/completions",
-                                          {**CHAT, "messages": [{"role": "user", "content": p}]}), prompts))
+        rest = list(
+            ex.map(
+                lambda p: post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": p}]}),
+                prompts,
+            )
+        )
     assert first.result()[0] == 200
     ar = Engine(smollm2)
     sizes = []

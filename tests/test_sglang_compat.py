@@ -16,8 +16,22 @@ def _wheel(version: str) -> Path:
     found = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
     if not found:
         CACHE.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        f"sglang=={version}", "-d", str(CACHE)], check=True, timeout=600)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"sglang=={version}",
+                "-d",
+                str(CACHE),
+            ],
+            check=True,
+            timeout=600,
+        )
         found = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
     assert found, f"pip did not fetch sglang {version}"
     return found[0]

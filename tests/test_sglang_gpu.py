@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import perturb_writes
+
 from dspine.checkpoint import save_drafter
 from dspine.drafter import DSpineDraftModel
 from dspine.target import load_target, resolve_target_path
@@ -29,12 +29,22 @@ def test_sglang_serves_dspine_through_the_plugin(tmp_path):
 
     spec = os.environ.get("DSPINE_TARGET", "smollm2-135m-instruct")
     target = load_target(spec, dtype=torch.float32)
-    ckpt = save_drafter(perturb_writes(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2),
-                                       std=0.05), tmp_path / "dspine")
+    ckpt = save_drafter(
+        perturb_writes(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2), std=0.05),
+        tmp_path / "dspine",
+    )
     path = resolve_target_path(spec)
     items = [(b, it) for b in ("gsm8k", "mt_bench") for it in load_benchmark(b, 3)]
-    doc = sglang_bench(str(path), AutoTokenizer.from_pretrained(path), {"dspine": str(ckpt)}, items, [1, 4], 16,
-                       tmp_path, progress=False)
+    doc = sglang_bench(
+        str(path),
+        AutoTokenizer.from_pretrained(path),
+        {"dspine": str(ckpt)},
+        items,
+        [1, 4],
+        16,
+        tmp_path,
+        progress=False,
+    )
     for c in ("1", "4"):
         m = doc["greedy_match_vs_ar_c1"]["dspine"][c]
         assert m["identical"] >= m["of"] - 1 and m["mean_common_prefix"] >= 0.9, (c, m)

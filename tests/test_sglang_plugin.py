@@ -9,18 +9,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import perturb_writes, tiny_target
 from safetensors.torch import load_file
 
-from conftest import perturb_writes, tiny_target
 from dspine.checkpoint import save_drafter
 from dspine.config import ConfigError
-from dspine.decoding import propose
+from dspine.decoding import propose, transition_scores
 from dspine.drafter import DSpineDraftModel
-from dspine.sglang.export import export_sglang
 from dspine.sampling import SamplingParams
-from dspine.decoding import transition_scores
-from dspine.sglang.plugin.core import (DSpineDraftSampler, DSpineSelector, candidates, inject_flat,
-                                       parse_dspine_config, propose_from_state, split_weights)
+from dspine.sglang.export import export_sglang
+from dspine.sglang.plugin.core import (
+    DSpineDraftSampler,
+    DSpineSelector,
+    candidates,
+    inject_flat,
+    parse_dspine_config,
+    propose_from_state,
+    split_weights,
+)
 
 
 def test_entry_point_is_declared_and_loads_without_sglang():
@@ -99,9 +105,14 @@ def test_flat_layout_forward_and_proposal_match_dspine(method):
                 if i == last:
                     state["f"] = f
         torch.testing.assert_close(h.view(N, 1, B, -1), ref.hidden, rtol=0, atol=0)
-        model = SimpleNamespace(dspine_state=state, inject_layers=cfg.inject_layers, injections=d.injections,
-                                norm_for_scores=d.norm, transfer_codes=d.transfer_codes,
-                                dspine=SimpleNamespace(top_k=cfg.top_k))
+        model = SimpleNamespace(
+            dspine_state=state,
+            inject_layers=cfg.inject_layers,
+            injections=d.injections,
+            norm_for_scores=d.norm,
+            transfer_codes=d.transfer_codes,
+            dspine=SimpleNamespace(top_k=cfg.top_k),
+        )
         sampler = DSpineDraftSampler(model, d.head, B, max_bs=8)
         sampler(d.norm(h), flat_ids)
     got = sampler.out[: N * (B - 1)].view(N, B - 1)
@@ -116,10 +127,18 @@ def test_flat_layout_forward_and_proposal_match_dspine(method):
         cand, unary = candidates(slots.reshape(N * (B - 1), -1), d.head, K)
         cand, unary = cand.view(N, B - 1, K), unary.view(N, B - 1, K)
         sel = DSpineSelector(model, sample_path=lambda self, **kw: (self, kw))
-        lattice = sel.build_lattice(candidate_ids=cand, unary_logits=unary, hidden_states=slots,
-                                    anchor_token_ids=flat_ids.view(N, B)[:, 0])
-        want_S = transition_scores(d.injections[str(last)], d.norm, d.head, d.transfer_codes,
-                                   state["h_pre"].view(N, B, -1), state["f"].view(N, B, -1), cand)
+        lattice = sel.build_lattice(
+            candidate_ids=cand, unary_logits=unary, hidden_states=slots, anchor_token_ids=flat_ids.view(N, B)[:, 0]
+        )
+        want_S = transition_scores(
+            d.injections[str(last)],
+            d.norm,
+            d.head,
+            d.transfer_codes,
+            state["h_pre"].view(N, B, -1),
+            state["f"].view(N, B, -1),
+            cand,
+        )
     assert lattice.shape == (N, B - 1, K, K) and lattice.dtype == torch.float32
     torch.testing.assert_close(lattice[:, 1:], want_S, rtol=0, atol=0)
     assert torch.equal(lattice[:, 0], unary[:, :1].expand(N, K, K))  # slot 1: its own logits, whatever p

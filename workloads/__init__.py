@@ -31,8 +31,11 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _sharegpt(name: str) -> list[Item]:
     rows = json.loads((DATA / "sharegpt" / name).read_text())
-    return [Item(str(r.get("id", i)), [r["conversations"][0]["value"]]) for i, r in enumerate(rows)
-            if r.get("conversations")]
+    return [
+        Item(str(r.get("id", i)), [r["conversations"][0]["value"]])
+        for i, r in enumerate(rows)
+        if r.get("conversations")
+    ]
 
 
 def _gsm8k():
@@ -44,14 +47,26 @@ def _math500():
 
 
 def _humaneval():
-    return [Item(r["task_id"], ["Write a solution to the following problem and make sure that it passes the tests:\n"
-                                f"```python\n{r['prompt']}\n```"]) for r in _jsonl(DATA / "humaneval/HumanEval.jsonl.gz")]
+    return [
+        Item(
+            r["task_id"],
+            [
+                "Write a solution to the following problem and make sure that it passes the tests:\n"
+                f"```python\n{r['prompt']}\n```"
+            ],
+        )
+        for r in _jsonl(DATA / "humaneval/HumanEval.jsonl.gz")
+    ]
 
 
 def _mbpp():
     rows = json.loads((DATA / "mbpp/sanitized-mbpp.json").read_text())
-    return [Item(f"mbpp/{r['task_id']}", [f"{r['prompt']}\nYour code should pass these tests:\n" +
-                                          "\n".join(r["test_list"])]) for r in rows]
+    return [
+        Item(
+            f"mbpp/{r['task_id']}", [f"{r['prompt']}\nYour code should pass these tests:\n" + "\n".join(r["test_list"])]
+        )
+        for r in rows
+    ]
 
 
 def _livecodebench():
@@ -75,23 +90,41 @@ def _arena_hard():
 
 
 def _gsm8k_train():
-    return [Item(f"gsm8k_train/{i}", [r["question"] + MATH_SUFFIX])
-            for i, r in enumerate(_jsonl(DATA / "gsm8k/train.jsonl"))]
+    return [
+        Item(f"gsm8k_train/{i}", [r["question"] + MATH_SUFFIX])
+        for i, r in enumerate(_jsonl(DATA / "gsm8k/train.jsonl"))
+    ]
 
 
 def _mbpp_train():
     """Full MBPP minus every task of the sanitized set that `mbpp` evaluates on (no contamination)."""
     held = {r["task_id"] for r in json.loads((DATA / "mbpp/sanitized-mbpp.json").read_text())}
-    return [Item(f"mbpp_train/{r['task_id']}", [f"{r['text']}\nYour code should pass these tests:\n" +
-                                                "\n".join(r["test_list"])])
-            for r in _jsonl(DATA / "mbpp/mbpp.jsonl") if r["task_id"] not in held]
+    return [
+        Item(
+            f"mbpp_train/{r['task_id']}",
+            [f"{r['text']}\nYour code should pass these tests:\n" + "\n".join(r["test_list"])],
+        )
+        for r in _jsonl(DATA / "mbpp/mbpp.jsonl")
+        if r["task_id"] not in held
+    ]
 
 
-BENCHMARKS = {"gsm8k": _gsm8k, "math500": _math500, "humaneval": _humaneval, "mbpp": _mbpp,
-              "livecodebench": _livecodebench, "mt_bench": _mt_bench, "arena_hard": _arena_hard}
-PROMPT_POOLS = {"sharegpt": lambda: _sharegpt("ShareGPT_V3_filtered_500.json"),
-                "sharegpt_3k": lambda: _sharegpt("sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json"),
-                "gsm8k_train": _gsm8k_train, "mbpp_train": _mbpp_train, "mt_bench": _mt_bench}
+BENCHMARKS = {
+    "gsm8k": _gsm8k,
+    "math500": _math500,
+    "humaneval": _humaneval,
+    "mbpp": _mbpp,
+    "livecodebench": _livecodebench,
+    "mt_bench": _mt_bench,
+    "arena_hard": _arena_hard,
+}
+PROMPT_POOLS = {
+    "sharegpt": lambda: _sharegpt("ShareGPT_V3_filtered_500.json"),
+    "sharegpt_3k": lambda: _sharegpt("sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json"),
+    "gsm8k_train": _gsm8k_train,
+    "mbpp_train": _mbpp_train,
+    "mt_bench": _mt_bench,
+}
 
 
 def load_benchmark(name: str, limit: int | None = None) -> list[Item]:
@@ -109,7 +142,10 @@ def load_prompts(name: str, limit: int | None = None, max_chars: int | None = No
         loader = PROMPT_POOLS.get(part) or BENCHMARKS.get(part)
         if loader is None:
             raise ValueError(f"unknown workload {part!r}; known: {sorted(set(PROMPT_POOLS) | set(BENCHMARKS))}")
-        prompts = [it.turns[0] for it in loader()
-                   if it.turns[0].strip() and (max_chars is None or len(it.turns[0]) <= max_chars)]
+        prompts = [
+            it.turns[0]
+            for it in loader()
+            if it.turns[0].strip() and (max_chars is None or len(it.turns[0]) <= max_chars)
+        ]
         out += prompts[:limit] if limit else prompts
     return out

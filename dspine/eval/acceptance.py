@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-
-from dspine.workloads import load_benchmark
 
 from dspine.checkpoint import config_to_json, load_at
 from dspine.engine import Engine
@@ -27,6 +23,7 @@ from dspine.io import atomic_write_text, git_sha, hardware, json_text
 from dspine.plots import line_panels
 from dspine.sampling import SamplingParams
 from dspine.stats import AcceptanceStats, summarize
+from dspine.workloads import load_benchmark
 
 
 def config_hash(drafter) -> str:
@@ -59,10 +56,20 @@ def eval_item(engines: dict, item, temperatures: list[float], max_new_tokens: in
     return out
 
 
-def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperatures: list[float],
-             max_new_tokens: int, seed: int = 0, progress: bool = True, workers: int = 1,
-             target_spec: tuple | None = None, drafter_paths: dict | None = None,
-             max_turns: int | None = None) -> dict:
+def evaluate(
+    target,
+    drafters: dict,
+    benchmarks: list[str],
+    limit: int,
+    temperatures: list[float],
+    max_new_tokens: int,
+    seed: int = 0,
+    progress: bool = True,
+    workers: int = 1,
+    target_spec: tuple | None = None,
+    drafter_paths: dict | None = None,
+    max_turns: int | None = None,
+) -> dict:
     """drafters: name -> DSpineDraftModel. Returns {"results": {bench: {"T0": {method: {...}}}}, ...}.
 
     workers > 1 runs items in that many processes (the engine is batch-1 and launch-bound, so on a GPU
@@ -76,8 +83,11 @@ def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperat
 
     from tqdm.auto import tqdm
 
-    units = [(b, i, dataclasses.replace(it, turns=it.turns[:max_turns]) if max_turns else it)
-             for b in benchmarks for i, it in enumerate(load_benchmark(b, limit))]
+    units = [
+        (b, i, dataclasses.replace(it, turns=it.turns[:max_turns]) if max_turns else it)
+        for b in benchmarks
+        for i, it in enumerate(load_benchmark(b, limit))
+    ]
     per_item: dict = {}
     bar = tqdm(total=len(units), desc="eval", disable=not progress)
     if workers <= 1:
@@ -89,8 +99,7 @@ def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperat
         import concurrent.futures as cf
 
         with _pool(workers, target_spec, drafter_paths) as pool:
-            futs = {pool.submit(_worker_item, it, temperatures, max_new_tokens, seed + i): (b, i)
-                    for b, i, it in units}
+            futs = {pool.submit(_worker_item, it, temperatures, max_new_tokens, seed + i): (b, i) for b, i, it in units}
             for f in cf.as_completed(futs):
                 per_item[futs[f]] = f.result()
                 bar.update(1)
@@ -102,23 +111,50 @@ def evaluate(target, drafters: dict, benchmarks: list[str], limit: int, temperat
         for T in temperatures:
             key = f"T{T:g}"
             rows = [per_item[bench, i][key] for i in range(n)]
-            cell = {"ar": {"tau_mean": 1.0, "tau_pooled": 1.0, "requests": n,
-                           "tokens": sum(len(r["ar"][0]) for r in rows), "seconds": sum(r["ar"][2] for r in rows)}}
+            cell = {
+                "ar": {
+                    "tau_mean": 1.0,
+                    "tau_pooled": 1.0,
+                    "requests": n,
+                    "tokens": sum(len(r["ar"][0]) for r in rows),
+                    "seconds": sum(r["ar"][2] for r in rows),
+                }
+            }
             for name in drafters:
-                cell[name] = {**summarize([r[name][1] for r in rows]), "tokens": sum(len(r[name][0]) for r in rows),
-                              "seconds": sum(r[name][2] for r in rows)}
+                cell[name] = {
+                    **summarize([r[name][1] for r in rows]),
+                    "tokens": sum(len(r[name][0]) for r in rows),
+                    "seconds": sum(r[name][2] for r in rows),
+                }
                 if T == 0:
                     match = sum(r[name][0] == r["ar"][0] for r in rows)
                     cell[name]["exact_match_with_ar"] = f"{match}/{n}"
             results[bench][key] = cell
-    return {"results": results, "means": benchmark_means(results), "git_sha": git_sha(), "hardware": hardware(),
-            "command": " ".join(sys.argv), "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
-            "limit": limit, "max_new_tokens": max_new_tokens, "target": target.name,
-            "dtype": str(target.dtype).replace("torch.", ""), "workers": workers, "max_turns": max_turns}
+    return {
+        "results": results,
+        "means": benchmark_means(results),
+        "git_sha": git_sha(),
+        "hardware": hardware(),
+        "command": " ".join(sys.argv),
+        "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+        "target": target.name,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "workers": workers,
+        "max_turns": max_turns,
+    }
 
 
-def replay(target, drafters: dict, jobs: list[tuple[str, list[int], list[int]]], progress: bool = True,
-           workers: int = 1, target_spec: tuple | None = None, drafter_paths: dict | None = None) -> list[dict]:
+def replay(
+    target,
+    drafters: dict,
+    jobs: list[tuple[str, list[int], list[int]]],
+    progress: bool = True,
+    workers: int = 1,
+    target_spec: tuple | None = None,
+    drafter_paths: dict | None = None,
+) -> list[dict]:
     """jobs: (drafter name, prompt ids, a greedy continuation from elsewhere, e.g. SGLang's) -> per job the
     drafter's acceptance on exactly that text (`Engine.generate(forced=...)`): {"tau", "rounds", "accepted"}.
     Trajectories no longer diverge, so τ differences are the drafters' own (kernels, numerics). Workers as
@@ -157,8 +193,12 @@ def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None):
         raise ValueError("parallel evaluation needs target_spec and drafter_paths")
     threads = max(1, (torch.get_num_threads() if target_spec[2] == "cpu" else 2 * workers) // workers)
     ctx = mp.get_context("spawn")
-    return cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                  initargs=(target_spec, drafter_paths, threads, ctx.Value("i", 0)))
+    return cf.ProcessPoolExecutor(
+        workers,
+        mp_context=ctx,
+        initializer=_worker_init,
+        initargs=(target_spec, drafter_paths, threads, ctx.Value("i", 0)),
+    )
 
 
 _ENGINES: dict = {}
@@ -192,7 +232,7 @@ def _worker_replay(name, prompt_ids, forced):
 def benchmark_means(results: dict) -> dict:
     """Mean over benchmarks of each method's tau_mean, per temperature."""
     out: dict = {}
-    for bench, by_t in results.items():
+    for by_t in results.values():
         for key, cell in by_t.items():
             for name, r in cell.items():
                 out.setdefault(key, {}).setdefault(name, []).append(r["tau_mean"])
@@ -211,14 +251,16 @@ def markdown_table(doc: dict) -> str:
         for m in methods:
             row = [f"{results[b][key][m]['tau_mean']:.3f}" for b in results]
             lines.append(f"| {m} | " + " | ".join(row) + f" | {means[key][m]:.3f} |")
-        ratios = [(a, b) for a, b in (("dspine", "dflash"), ("dspine", "post_backbone")) if a in methods and b in methods]
+        ratios = [
+            (a, b) for a, b in (("dspine", "dflash"), ("dspine", "post_backbone")) if a in methods and b in methods
+        ]
         for a, b in ratios:
             lines.append(f"\nτ({a}) / τ({b}) at {key}: {means[key][a] / means[key][b]:.3f}")
         for m in methods:
             em = [results[b][key][m].get("exact_match_with_ar") for b in results]
             if all(em):
-                ok = sum(int(x.split('/')[0]) for x in em)
-                n = sum(int(x.split('/')[1]) for x in em)
+                ok = sum(int(x.split("/")[0]) for x in em)
+                n = sum(int(x.split("/")[1]) for x in em)
                 lines.append(f"\n{m}: exact match with AR on {ok}/{n} requests at {key}")
     lines.append(slot_table(doc))
     rep = doc.get("train_report", {}).get("methods")
@@ -229,7 +271,9 @@ def markdown_table(doc: dict) -> str:
         lines.append("|---|---|---|---|---|")
         for n, r in rep.items():
             over = ", ".join(f"{k}={v}" for k, v in {**r.get("drafter", {}), **r.get("loss", {})}.items()) or "—"
-            lines.append(f"| {n} | {r.get('method', n)} | {over} | {r['tau_sim_before']:.3f} | {r['best_tau_sim']:.3f} |")
+            lines.append(
+                f"| {n} | {r.get('method', n)} | {over} | {r['tau_sim_before']:.3f} | {r['best_tau_sim']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -259,8 +303,10 @@ def slot_table(doc: dict) -> str:
         if not pooled:
             continue
         n = min(SLOTS_SHOWN, *(s.block_size - 1 for s in pooled.values()))
-        lines.append(f"\n**Per-slot acceptance at {key.replace('T', 'T = ')}**, pooled over the benchmarks: "
-                     "P(slot k accepted), and in brackets P(slot k accepted | slot k−1 accepted)\n")
+        lines.append(
+            f"\n**Per-slot acceptance at {key.replace('T', 'T = ')}**, pooled over the benchmarks: "
+            "P(slot k accepted), and in brackets P(slot k accepted | slot k−1 accepted)\n"
+        )
         lines.append("| method | " + " | ".join(f"slot {k}" for k in range(1, n + 1)) + " |")
         lines.append("|---" * (n + 1) + "|")
         for m, st in pooled.items():
@@ -277,8 +323,12 @@ def slot_chart(doc: dict) -> str | None:
         if pooled:
             t = key.replace("T", "T = ")
             panels.append((f"P(slot k accepted), {t}", {m: s.per_slot[:SLOTS_SHOWN] for m, s in pooled.items()}))
-            panels.append((f"P(slot k | slot k-1 accepted), {t}",
-                           {m: s.per_slot_conditional[:SLOTS_SHOWN] for m, s in pooled.items()}))
+            panels.append(
+                (
+                    f"P(slot k | slot k-1 accepted), {t}",
+                    {m: s.per_slot_conditional[:SLOTS_SHOWN] for m, s in pooled.items()},
+                )
+            )
     return line_panels(panels, "block slot k") if panels else None
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import sys
 import time
 
-from dspine.workloads import load_benchmark
-
 from dspine.engine import Engine, generate_batch
 from dspine.io import git_sha, hardware
 from dspine.sampling import SamplingParams
 from dspine.stats import summarize
+from dspine.workloads import load_benchmark
 
 PHASES = ("draft", "propose", "verify", "commit")
 
@@ -31,8 +30,16 @@ def _row(results: list, secs: float) -> dict:
     return row
 
 
-def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_new_tokens: int,
-                 temperature: float = 0.0, progress: bool = True, concurrencies: list[int] | None = None) -> dict:
+def engine_bench(
+    target,
+    drafters: dict,
+    benchmarks: list[str],
+    limit: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    progress: bool = True,
+    concurrencies: list[int] | None = None,
+) -> dict:
     """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: the items in groups of c, each
     group decoded together (engine.generate_batch), throughput and τ only."""
     from tqdm.auto import tqdm
@@ -46,8 +53,9 @@ def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_
         totals: dict[str, float] = {}
         results, t0, per_bench = [], time.perf_counter(), {}
         for i, (bench, it) in enumerate(items):
-            res = eng.generate(it.turns[0], SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
-                                                           seed=i), profile=True)
+            res = eng.generate(
+                it.turns[0], SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=i), profile=True
+            )
             results.append(res)
             for k, v in res.timings.items():
                 totals[k] = totals.get(k, 0.0) + v
@@ -69,59 +77,102 @@ def engine_bench(target, drafters: dict, benchmarks: list[str], limit: int, max_
         for name, eng in engines.items():
             t0, results = time.perf_counter(), []
             for g in range(0, len(items), c):
-                results += generate_batch(eng, [it.turns[0] for _, it in items[g:g + c]],
-                                          SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=g))
-                bar.update(len(items[g:g + c]))
+                results += generate_batch(
+                    eng,
+                    [it.turns[0] for _, it in items[g : g + c]],
+                    SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=g),
+                )
+                bar.update(len(items[g : g + c]))
             by_conc[str(c)][name] = _row(results, time.perf_counter() - t0)
     bar.close()
     for crows in by_conc.values():
-        for name, row in crows.items():
+        for row in crows.values():
             row["speedup_vs_ar"] = row["tokens_per_s"] / crows["ar"]["tokens_per_s"]
     ar = rows["ar"]
     for name, row in rows.items():
         if name != "ar" and ar["ar_step_ms"]:
             row["round_over_ar_step"] = row["round_ms"] / ar["ar_step_ms"]
-    return {"backend": "engine", "concurrency": 1, "rows": rows, "by_concurrency": by_conc if batched else None,
-            "tau_per_benchmark_c1": tau_bench,
-            "benchmarks": benchmarks, "limit": limit,
-            "max_new_tokens": max_new_tokens, "temperature": temperature, "target": target.name,
-            "dtype": str(target.dtype).replace("torch.", ""), "git_sha": git_sha(), "hardware": hardware(),
-            "command": " ".join(sys.argv)}
+    return {
+        "backend": "engine",
+        "concurrency": 1,
+        "rows": rows,
+        "by_concurrency": by_conc if batched else None,
+        "tau_per_benchmark_c1": tau_bench,
+        "benchmarks": benchmarks,
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "target": target.name,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "git_sha": git_sha(),
+        "hardware": hardware(),
+        "command": " ".join(sys.argv),
+    }
 
 
 def bench_table(doc: dict) -> str:
-    lines = [f"backend {doc['backend']}, concurrency {doc['concurrency']}, {doc['hardware']}", "",
-             "| method | tok/s | × AR | τ | round ms | round / AR step | round split, ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"backend {doc['backend']}, concurrency {doc['concurrency']}, {doc['hardware']}",
+        "",
+        "| method | tok/s | × AR | τ | round ms | round / AR step | round split, ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in doc["rows"].items():
         split = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phase_ms_per_round", {}).items()) or "—"
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
-                     f"{r.get('tau_mean', 1.0):.3f} | {r.get('round_ms', r.get('ar_step_ms', 0)):.2f} | "
-                     f"{r.get('round_over_ar_step', 1.0):.2f} | {split} |")
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
+            f"{r.get('tau_mean', 1.0):.3f} | {r.get('round_ms', r.get('ar_step_ms', 0)):.2f} | "
+            f"{r.get('round_over_ar_step', 1.0):.2f} | {split} |"
+        )
     if doc.get("by_concurrency"):
         names = list(doc["rows"])
-        lines += ["", "| concurrency | " + " | ".join(f"{n} tok/s (× AR)" for n in names) + " |",
-                  "|---|" + "---|" * len(names)]
+        lines += [
+            "",
+            "| concurrency | " + " | ".join(f"{n} tok/s (× AR)" for n in names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
         for c, rows in doc["by_concurrency"].items():
-            lines.append(f"| {c} | " + " | ".join(f"{rows[n]['tokens_per_s']:.0f} ({rows[n]['speedup_vs_ar']:.2f})"
-                                                  for n in names) + " |")
-    timed = [(c, n, r) for c, rows in (doc.get("by_concurrency") or {}).items() for n, r in rows.items()
-             if "gpu_round_ms" in r]
+            lines.append(
+                f"| {c} | "
+                + " | ".join(f"{rows[n]['tokens_per_s']:.0f} ({rows[n]['speedup_vs_ar']:.2f})" for n in names)
+                + " |"
+            )
+    timed = [
+        (c, n, r)
+        for c, rows in (doc.get("by_concurrency") or {}).items()
+        for n, r in rows.items()
+        if "gpu_round_ms" in r
+    ]
     if timed:  # SGLang: where each set's wall time went (CUDA events inside SGLang)
-        lines += ["", "| concurrency | method | rounds | GPU round ms | draft / verify / glue ms | prefills ms | "
-                      "outside rounds s | wall s |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| concurrency | method | rounds | GPU round ms | draft / verify / glue ms | prefills ms | "
+            "outside rounds s | wall s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for c, n, r in timed:
             ph = r["phase_ms_per_round"]
-            lines.append(f"| {c} | {n} | {r['timed_rounds']} | {r['gpu_round_ms']:.2f} | {ph['draft']:.2f} / "
-                         f"{ph['verify']:.2f} / {ph['glue']:.2f} | {r['prefill_ms_total']:.0f} | "
-                         f"{r['outside_rounds_s']:.2f} | {r['seconds']:.2f} |")
+            lines.append(
+                f"| {c} | {n} | {r['timed_rounds']} | {r['gpu_round_ms']:.2f} | {ph['draft']:.2f} / "
+                f"{ph['verify']:.2f} / {ph['glue']:.2f} | {r['prefill_ms_total']:.0f} | "
+                f"{r['outside_rounds_s']:.2f} | {r['seconds']:.2f} |"
+            )
     if doc.get("engine_agreement"):
-        lines += ["", "| benchmark | " + " | ".join(f"τ {n} SGLang / engine" for n in doc["engine_agreement"]) + " |",
-                  "|---|" + "---|" * len(doc["engine_agreement"])]
+        lines += [
+            "",
+            "| benchmark | " + " | ".join(f"τ {n} SGLang / engine" for n in doc["engine_agreement"]) + " |",
+            "|---|" + "---|" * len(doc["engine_agreement"]),
+        ]
         for b in doc["benchmarks"]:
-            lines.append(f"| {b} | " + " | ".join(
-                f"{a['per_benchmark'][b]['sglang']:.3f} / {a['per_benchmark'][b]['engine']:.3f} "
-                f"({a['per_benchmark'][b]['ratio']:.3f})" for a in doc["engine_agreement"].values()) + " |")
+            lines.append(
+                f"| {b} | "
+                + " | ".join(
+                    f"{a['per_benchmark'][b]['sglang']:.3f} / {a['per_benchmark'][b]['engine']:.3f} "
+                    f"({a['per_benchmark'][b]['ratio']:.3f})"
+                    for a in doc["engine_agreement"].values()
+                )
+                + " |"
+            )
     if doc.get("tau_per_benchmark_c1"):
         per = doc["tau_per_benchmark_c1"]
         names = list(per)

@@ -23,36 +23,25 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
-import time
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import (the cost map is local)
 
 from litellm.integrations.custom_logger import CustomLogger  # noqa: E402
 
-from dspine.stats import AcceptanceStats  # noqa: E402
+from dspine.serve.metrics import AcceptanceMetrics  # noqa: E402
+from dspine.serve.records import RequestRecord  # noqa: E402
 from dspine.serve.store import AcceptanceStore  # noqa: E402
 
 _METRICS = None
 
 
-def _metrics(port: int):
-    """Prometheus metrics of this process, served once on 127.0.0.1:port."""
+def _metrics(port: int) -> AcceptanceMetrics:
+    """Prometheus metrics of this process (serve.metrics, `dspine_proxy_*`), served once on 127.0.0.1:port."""
     global _METRICS
     if _METRICS is None:
-        from prometheus_client import Counter, Histogram, start_http_server
+        from prometheus_client import start_http_server
 
-        labels = ("model", "drafter", "workload", "thinking")
-        _METRICS = {
-            "requests": Counter("dspine_proxy_requests_total", "requests recorded", labels),
-            "rounds": Counter("dspine_proxy_verify_rounds_total", "target verify rounds", labels),
-            "committed": Counter("dspine_proxy_committed_tokens_total", "tokens committed in verify rounds", labels),
-            "accepted": Counter("dspine_proxy_accepted_drafts_total", "draft tokens accepted", labels),
-            "tau": Histogram("dspine_proxy_acceptance_length", "per-request acceptance length τ", labels,
-                             buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16)),
-            "latency": Histogram("dspine_proxy_request_latency_seconds", "request latency through the proxy", labels),
-            "lost": Counter("dspine_proxy_lost_acceptance_total", "requests whose acceptance could not be found",
-                            ("model",)),
-        }
+        _METRICS = AcceptanceMetrics("dspine_proxy", ("model", "drafter", "workload", "thinking"))
         if port:
             start_http_server(port, addr="127.0.0.1")
     return _METRICS
@@ -61,8 +50,10 @@ def _metrics(port: int):
 def acceptance_from_response(resp) -> dict | None:
     """SGLang-shaped acceptance fields carried on a (non-streaming) response, if any."""
     extra = getattr(resp, "model_extra", None) or {}
-    for blob in (getattr(resp, "meta_info", None) or extra.get("meta_info"),
-                 ((getattr(resp, "sglext", None) or extra.get("sglext")) or {}).get("spec_tokens_details")):
+    for blob in (
+        getattr(resp, "meta_info", None) or extra.get("meta_info"),
+        ((getattr(resp, "sglext", None) or extra.get("sglext")) or {}).get("spec_tokens_details"),
+    ):
         if isinstance(blob, dict) and "spec_correct_drafts_histogram" in blob:
             return blob
     return None
@@ -76,7 +67,7 @@ class DSpineLogger(CustomLogger):
         self.fetch_timeout_s = fetch_timeout_s
 
     @classmethod
-    def from_env(cls) -> "DSpineLogger":
+    def from_env(cls) -> DSpineLogger:
         return cls(os.environ["DSPINE_PROXY_DB"], int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0))
 
     async def async_pre_call_hook(self, user_api_key_dict, cache, data: dict, call_type):
@@ -117,35 +108,28 @@ class DSpineLogger(CustomLogger):
             spec = acceptance_from_response(response_obj)
             source = "response" if spec is not None else source
         hist = spec.get("spec_correct_drafts_histogram") if spec else None
-        stats = AcceptanceStats(len(hist), hist) if hist else None
         usage = getattr(response_obj, "usage", None)
-        rec = {
-            "request_id": rid or kwargs.get("litellm_call_id"), "ts": time.time(),
-            "model": str(md.get("model_group") or kwargs.get("model")),
-            "drafter": (backend or {}).get("drafter"), "method": (backend or {}).get("method"),
-            "workload": str(user_md.get("workload") or (backend or {}).get("workload") or "default"),
-            "thinking": str((backend or {}).get("thinking") or opt.get("reasoning_effort")
-                            or user_md.get("thinking") or "none"),
-            "stream": bool(kwargs.get("stream") or opt.get("stream")),
-            "prompt_tokens": getattr(usage, "prompt_tokens", None), "completion_tokens": getattr(usage, "completion_tokens", None),
-            "tau": stats.tau if stats else None, "verify_rounds": stats.rounds if stats else None,
-            "accept_hist": hist, "latency_s": (end_time - start_time).total_seconds(), "source": source,
-        }
+        b = backend or {}
+        rec = RequestRecord(
+            request_id=rid or kwargs.get("litellm_call_id"),
+            model=str(md.get("model_group") or kwargs.get("model")),
+            drafter=b.get("drafter"),
+            method=b.get("method"),
+            workload=str(user_md.get("workload") or b.get("workload") or "default"),
+            thinking=str(b.get("thinking") or opt.get("reasoning_effort") or user_md.get("thinking") or "none"),
+            stream=bool(kwargs.get("stream") or opt.get("stream")),
+            prompt_tokens=getattr(usage, "prompt_tokens", None),
+            completion_tokens=getattr(usage, "completion_tokens", None),
+            accept_hist=hist,
+            latency_s=(end_time - start_time).total_seconds(),
+            source=source,
+        )
         fresh = await asyncio.to_thread(self.store.append, rec)
         if not fresh:
             return
-        lab = {"model": rec["model"], "drafter": rec["drafter"] or "none", "workload": rec["workload"],
-               "thinking": rec["thinking"]}
-        m = self.metrics
-        m["requests"].labels(**lab).inc()
-        m["latency"].labels(**lab).observe(rec["latency_s"])
-        if stats:
-            m["rounds"].labels(**lab).inc(stats.rounds)
-            m["committed"].labels(**lab).inc(stats.accepted + stats.rounds)
-            m["accepted"].labels(**lab).inc(stats.accepted)
-            m["tau"].labels(**lab).observe(stats.tau)
-        elif rec["drafter"] is not None or backend is None:
-            m["lost"].labels(model=rec["model"]).inc()
+        self.metrics.observe(rec)
+        if hist is None and (rec.drafter is not None or backend is None):
+            self.metrics.lost.labels(model=rec.model).inc()
 
 
 async def auth(request, api_key: str):
@@ -155,5 +139,9 @@ async def auth(request, api_key: str):
     key = os.environ.get("DSPINE_PROXY_KEY", "")
     if key and hmac.compare_digest((api_key or "").encode(), key.encode()):
         return UserAPIKeyAuth(api_key=api_key)
-    raise ProxyException(message="invalid or missing proxy key (Authorization: Bearer <key>)", type="auth_error",
-                         param="api_key", code=401)
+    raise ProxyException(
+        message="invalid or missing proxy key (Authorization: Bearer <key>)",
+        type="auth_error",
+        param="api_key",
+        code=401,
+    )

@@ -65,12 +65,24 @@ def parse_backend(text: str) -> Backend:
 
 def litellm_config(cfg: ProxyConfig) -> dict:
     return {
-        "model_list": [{"model_name": b.name,
-                        "litellm_params": {"model": f"openai/{b.model}", "api_base": b.api_base, "api_key": "none",
-                                           "timeout": cfg.timeout_s, "max_retries": 0}}
-                       for b in cfg.backends],
-        "litellm_settings": {"callbacks": f"{CALLBACKS_MODULE}.handler", "num_retries": 0,
-                             "request_timeout": cfg.timeout_s},
+        "model_list": [
+            {
+                "model_name": b.name,
+                "litellm_params": {
+                    "model": f"openai/{b.model}",
+                    "api_base": b.api_base,
+                    "api_key": "none",
+                    "timeout": cfg.timeout_s,
+                    "max_retries": 0,
+                },
+            }
+            for b in cfg.backends
+        ],
+        "litellm_settings": {
+            "callbacks": f"{CALLBACKS_MODULE}.handler",
+            "num_retries": 0,
+            "request_timeout": cfg.timeout_s,
+        },
         "general_settings": {"master_key": f"os.environ/{KEY_ENV}", "custom_auth": f"{CALLBACKS_MODULE}.auth"},
     }
 
@@ -80,10 +92,12 @@ def write_proxy_files(cfg: ProxyConfig) -> Path:
     cfg.validate()
     work = Path(cfg.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(work / f"{CALLBACKS_MODULE}.py",
-                      '"""Written by `dspine proxy`: the hooks LiteLLM loads (see dspine/litellm_hooks.py)."""\n'
-                      "from dspine.serve.litellm_hooks import DSpineLogger, auth  # noqa: F401\n\n"
-                      "handler = DSpineLogger.from_env()\n")
+    atomic_write_text(
+        work / f"{CALLBACKS_MODULE}.py",
+        '"""Written by `dspine proxy`: the hooks LiteLLM loads (see dspine/litellm_hooks.py)."""\n'
+        "from dspine.serve.litellm_hooks import DSpineLogger, auth  # noqa: F401\n\n"
+        "handler = DSpineLogger.from_env()\n",
+    )
     path = work / "config.yaml"
     atomic_write_text(path, json.dumps(litellm_config(cfg), indent=1) + "\n")
     return path
@@ -93,10 +107,18 @@ def proxy_env(cfg: ProxyConfig, key: str) -> dict:
     if not key:
         raise ConfigError(f"the proxy needs a master key: set {KEY_ENV}")
     env = dict(os.environ)
-    env.update({KEY_ENV: key, "DSPINE_PROXY_DB": str(Path(cfg.db).resolve()),
-                "DSPINE_PROXY_METRICS_PORT": str(cfg.metrics_port), "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-                "LITELLM_TELEMETRY": "False", "PYTHONPATH": os.pathsep.join(
-                    [str(Path(cfg.workdir).resolve())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))})
+    env.update(
+        {
+            KEY_ENV: key,
+            "DSPINE_PROXY_DB": str(Path(cfg.db).resolve()),
+            "DSPINE_PROXY_METRICS_PORT": str(cfg.metrics_port),
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_TELEMETRY": "False",
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(cfg.workdir).resolve())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+            ),
+        }
+    )
     return env
 
 
@@ -110,7 +132,6 @@ def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None) -> subproces
     exe = shutil.which("litellm")
     cmd = [exe] if exe else [sys.executable, "-m", "litellm.proxy.proxy_cli"]
     cmd += ["--config", str(path.resolve()), "--host", cfg.host, "--port", str(cfg.port)]
-    proc = subprocess.Popen(cmd, env=env, cwd=cfg.workdir, stdout=log or subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, cwd=cfg.workdir, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
     wait_http(f"http://{cfg.host}:{cfg.port}/health/liveliness", proc, 180)
     return proc

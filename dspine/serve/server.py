@@ -12,7 +12,6 @@ decodes the requests waiting for it together (up to --max-batch); a streaming cl
 its own row at the next token.
 """
 
-
 import asyncio
 import json
 import queue
@@ -21,13 +20,23 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dspine.engine import Engine, generate_batch
 from dspine.process import free_port, wait_http
 from dspine.sampling import RequestError, SamplingParams
+from dspine.serve.metrics import AcceptanceMetrics
+from dspine.serve.protocol import (
+    ChatRequest,
+    RequestInvalid,
+    parse_request,
+    parse_tool_calls,
+    streamable_prefix,
+    template_has_tools,
+    template_messages,
+)
+from dspine.serve.records import RequestRecord
 
-EFFORTS = ("none", "low", "medium", "high", "xhigh")
 REASONING_BUDGET = {"low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
 
 
@@ -45,11 +54,28 @@ def apply_reasoning_effort(model_type: str, messages: list[dict], effort: str) -
         return messages, {"enable_thinking": effort != "none"}
     if effort == "none":
         return messages, {}
-    note = (f"Reasoning effort: {effort}. Think step by step before answering, using at most "
-            f"{REASONING_BUDGET[effort]} tokens of reasoning, then give the answer.")
+    note = (
+        f"Reasoning effort: {effort}. Think step by step before answering, using at most "
+        f"{REASONING_BUDGET[effort]} tokens of reasoning, then give the answer."
+    )
     if messages and messages[0].get("role") == "system":
         return [{"role": "system", "content": messages[0]["content"] + "\n\n" + note}] + messages[1:], {}
     return [{"role": "system", "content": note}] + messages, {}
+
+
+@dataclass
+class Parsed:
+    """A checked request, ready for the engine."""
+
+    ids: list[int]
+    params: SamplingParams
+    effort: str
+    stream: bool
+    workload: str
+    details: bool
+    meta_info: bool
+    tool_names: set[str] | None  # the offered functions; None: no tools, the reply is plain content
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
 
 class BadRequest(Exception):
@@ -58,42 +84,16 @@ class BadRequest(Exception):
         self.status, self.param, self.code = status, param, code
 
 
-def _num(body: dict, key: str, kind, default, lo=None, hi=None):
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and int(v) != v):
-        raise BadRequest(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {v!r}", param=key)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise BadRequest(f"'{key}' must be in [{lo}, {hi}], got {v!r}", param=key)
-    return kind(v)
+class ServerMetrics:
+    """The acceptance families (serve.metrics) by workload × thinking × method, plus refusals and in-flight."""
 
-
-class Metrics:
     def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = CollectorRegistry()
-        labels = ("workload", "thinking", "method")
-        self.requests = Counter("dspine_requests", "finished requests", labels, registry=self.registry)
+        self.acceptance = AcceptanceMetrics("dspine", ("workload", "thinking", "method"), self.registry)
         self.errors = Counter("dspine_request_errors", "refused requests", ("code",), registry=self.registry)
-        self.tokens = Counter("dspine_completion_tokens", "generated tokens", labels, registry=self.registry)
-        self.rounds = Counter("dspine_verify_rounds", "target verify rounds", labels, registry=self.registry)
-        self.accepted = Counter("dspine_accepted_drafts", "accepted draft tokens", labels, registry=self.registry)
-        self.accept_len = Histogram("dspine_accept_length", "per-request acceptance length τ", labels,
-                                    buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16), registry=self.registry)
-        self.latency = Histogram("dspine_request_seconds", "request latency", labels, registry=self.registry)
         self.inflight = Gauge("dspine_inflight_requests", "requests being served", registry=self.registry)
-
-    def observe(self, rec: dict) -> None:
-        lab = (rec["workload"], rec["thinking"], rec["method"])
-        self.requests.labels(*lab).inc()
-        self.tokens.labels(*lab).inc(rec["completion_tokens"])
-        self.latency.labels(*lab).observe(rec["latency_s"])
-        if rec.get("spec"):
-            self.rounds.labels(*lab).inc(rec["spec"]["spec_verify_ct"])
-            self.accepted.labels(*lab).inc(rec["spec"]["spec_num_correct_drafts"])
-            self.accept_len.labels(*lab).observe(rec["spec"]["spec_accept_length"])
 
 
 class Batcher:
@@ -116,8 +116,9 @@ class Batcher:
 
     @staticmethod
     def _key(params):
-        return None if params.seed is not None and not params.greedy else \
-            (params.temperature, params.top_k, params.top_p)
+        return (
+            None if params.seed is not None and not params.greedy else (params.temperature, params.top_k, params.top_p)
+        )
 
     def _loop(self):
         held = None
@@ -139,8 +140,9 @@ class Batcher:
                     ids, params, cb, _ = batch[0]
                     results = [self.engine.generate(ids, params, on_token=cb)]
                 else:
-                    results = generate_batch(self.engine, [j[0] for j in batch], [j[1] for j in batch],
-                                             [j[2] for j in batch])
+                    results = generate_batch(
+                        self.engine, [j[0] for j in batch], [j[1] for j in batch], [j[2] for j in batch]
+                    )
                 for job, res in zip(batch, results):
                     job[3].set_result(res)
             except Exception as e:  # noqa: BLE001 — every waiting request hears of it
@@ -155,112 +157,260 @@ class Service:
         self.engine, self.cfg = engine, cfg or ServeConfig()
         self.drafter_name = drafter_name or (engine.method if engine.drafter is not None else None)
         self.batcher = Batcher(engine, self.cfg.max_batch)
-        self.records: OrderedDict[str, dict] = OrderedDict()
-        self.metrics = Metrics()
+        self.records: OrderedDict[str, RequestRecord] = OrderedDict()
+        self.metrics = ServerMetrics()
         tgt = engine.target
         self.max_prompt = self.cfg.max_prompt_tokens or tgt.info.max_position_embeddings - 1
 
     # ---- parsing ---------------------------------------------------------------------------------------
-    def parse(self, body, chat: bool) -> dict:
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.cfg.model_name:
-            raise BadRequest(f"model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
-                             status=404, param="model", code="model_not_found")
-        effort = body.get("reasoning_effort") or "none"
-        if effort not in EFFORTS:
-            raise BadRequest(f"'reasoning_effort' must be one of {list(EFFORTS)}, got {effort!r}",
-                             param="reasoning_effort")
+    def parse(self, body, chat: bool) -> Parsed:
+        try:
+            req = parse_request(body, chat)
+        except RequestInvalid as e:
+            raise BadRequest(str(e), param=e.param) from None
+        if req.model is not None and req.model != self.cfg.model_name:
+            raise BadRequest(
+                f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        effort = req.reasoning_effort or "none"
+        tools: list = []
         if chat:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                raise BadRequest("'messages' is required: a non-empty list of {role, content}", param="messages")
-            for m in msgs:
-                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") \
-                        or not isinstance(m.get("content", ""), str):
-                    raise BadRequest("each message needs a role (system/user/assistant/tool) and string content",
-                                     param="messages")
-            msgs, kw = apply_reasoning_effort(self.engine.target.info.model_type,
-                                              [{"role": m["role"], "content": m.get("content", "")} for m in msgs],
-                                              effort)
-            try:
-                ids = self.engine.target.chat_ids(msgs, **kw)
-            except Exception as e:  # a chat template that rejects these messages
-                raise BadRequest(f"cannot apply the chat template: {e}", param="messages") from None
+            tools = req.active_tools()
+            ids = self._chat_ids(req, effort)
         else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise BadRequest("'prompt' is required: a non-empty string", param="prompt")
-            ids = self.engine.target.encode(prompt)
+            ids = self.engine.target.encode(req.prompt)
+        where = "messages" if chat else "prompt"
         if not ids:
-            raise BadRequest("the prompt is empty", param="messages" if chat else "prompt")
+            raise BadRequest("the prompt is empty", param=where)
         if len(ids) > self.max_prompt:
-            raise BadRequest(f"the prompt has {len(ids)} tokens; at most {self.max_prompt} are accepted",
-                             param="messages" if chat else "prompt", code="context_length_exceeded")
-        max_tokens = _num(body, "max_completion_tokens", int, None, lo=1) if "max_completion_tokens" in body \
-            else _num(body, "max_tokens", int, 256, lo=1)
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest("'stop' must be a string or a list of non-empty strings", param="stop")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest("'seed' must be an integer", param="seed")
-        params = SamplingParams(max_tokens=max_tokens, temperature=_num(body, "temperature", float, 1.0, 0, 2),
-                                top_p=_num(body, "top_p", float, 1.0, 0, 1), top_k=_num(body, "top_k", int, 0, 0),
-                                stop=stop, seed=seed)
-        if params.top_p == 0:
-            raise BadRequest("'top_p' must be greater than 0", param="top_p")
-        meta = body.get("metadata") or {}
-        if not isinstance(meta, dict):
-            raise BadRequest("'metadata' must be an object", param="metadata")
-        return {"ids": ids, "params": params, "effort": effort, "stream": bool(body.get("stream", False)),
-                "workload": str(meta.get("workload", "default")), "metadata": meta,
-                "details": bool(body.get("return_spec_tokens_details")), "meta_info": bool(body.get("return_meta_info"))}
+            raise BadRequest(
+                f"the prompt has {len(ids)} tokens; at most {self.max_prompt} are accepted",
+                param=where,
+                code="context_length_exceeded",
+            )
+        max_tokens = req.max_completion_tokens or req.max_tokens or 256
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            stop=stop,
+            seed=req.seed,
+        )
+        meta = req.metadata or {}
+        return Parsed(
+            ids=ids,
+            params=params,
+            effort=effort,
+            stream=req.stream,
+            workload=str(meta.get("workload", "default")),
+            details=req.return_spec_tokens_details,
+            meta_info=req.return_meta_info,
+            tool_names={t.function.name for t in tools} if tools else None,
+        )
+
+    def _chat_ids(self, req: ChatRequest, effort: str) -> list[int]:
+        tgt = self.engine.target
+        native = template_has_tools(getattr(tgt.tokenizer, "chat_template", None))
+        msgs, kw = template_messages(req, native)
+        msgs, kw2 = apply_reasoning_effort(tgt.info.model_type, msgs, effort)
+        try:
+            return tgt.chat_ids(msgs, **kw, **kw2)
+        except Exception as e:  # a chat template that rejects these messages
+            raise BadRequest(f"cannot apply the chat template: {e}", param="messages") from None
 
     # ---- generation ------------------------------------------------------------------------------------
-    def run(self, req: dict, on_token=None) -> dict:
-        rid = req.setdefault("id", f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    def run(self, req: Parsed, on_token=None) -> RequestRecord:
         t0 = time.time()
         self.metrics.inflight.inc()
         try:
-            res = self.batcher.submit(req["ids"], req["params"], on_token)
+            res = self.batcher.submit(req.ids, req.params, on_token)
         except RequestError as e:
             raise BadRequest(str(e)) from None
         finally:
             self.metrics.inflight.dec()
-        rec = {"id": rid, "model": self.cfg.model_name, "drafter": self.drafter_name, "method": res.method,
-               "workload": req["workload"], "thinking": req["effort"], "prompt_tokens": res.prompt_tokens,
-               "completion_tokens": res.completion_tokens, "finish_reason": res.finish_reason,
-               "latency_s": time.time() - t0, "created": int(t0), "text": res.text, "batch_size": res.batch_size,
-               "spec": res.stats.sglang_meta() if res.stats is not None else None}
-        self.records[rid] = rec
+        rec = RequestRecord(
+            request_id=req.id,
+            model=self.cfg.model_name,
+            drafter=self.drafter_name,
+            method=res.method,
+            workload=req.workload,
+            thinking=req.effort,
+            stream=req.stream,
+            prompt_tokens=res.prompt_tokens,
+            completion_tokens=res.completion_tokens,
+            finish_reason=res.finish_reason,
+            latency_s=time.time() - t0,
+            ts=t0,
+            accept_hist=list(res.stats.accept_hist) if res.stats is not None else None,
+            source="engine" if res.stats is not None else None,
+            batch_size=res.batch_size,
+            text=res.text,
+        )
+        self.records[rec.request_id] = rec
         while len(self.records) > self.cfg.max_records:
             self.records.popitem(last=False)
-        self.metrics.observe(rec)
+        self.metrics.acceptance.observe(rec)
         return rec
 
-    def extras(self, req: dict, rec: dict) -> dict:
+    def extras(self, req: Parsed, rec: RequestRecord) -> dict:
         out = {}
-        spec = rec["spec"] or {"spec_accept_length": 1.0, "spec_verify_ct": 0}
-        if req["details"]:
-            out["sglext"] = {"spec_tokens_details": spec, "reasoning_effort": rec["thinking"]}
-        if req["meta_info"]:
-            out["meta_info"] = {**spec, "id": rec["id"], "prompt_tokens": rec["prompt_tokens"],
-                                "completion_tokens": rec["completion_tokens"], "reasoning_effort": rec["thinking"]}
+        spec = rec.spec() or {"spec_accept_length": 1.0, "spec_verify_ct": 0}
+        if req.details:
+            out["sglext"] = {"spec_tokens_details": spec, "reasoning_effort": rec.thinking}
+        if req.meta_info:
+            out["meta_info"] = {
+                **spec,
+                "id": rec.request_id,
+                "prompt_tokens": rec.prompt_tokens,
+                "completion_tokens": rec.completion_tokens,
+                "reasoning_effort": rec.thinking,
+            }
         return out
 
-    def response(self, req: dict, rec: dict, chat: bool) -> dict:
-        usage = {"prompt_tokens": rec["prompt_tokens"], "completion_tokens": rec["completion_tokens"],
-                 "total_tokens": rec["prompt_tokens"] + rec["completion_tokens"]}
+    def reply(self, req: Parsed, text: str, finish_reason: str) -> tuple[str | None, list[dict], str]:
+        """(content, tool_calls, finish_reason) of a finished generation."""
+        if req.tool_names is None:
+            return text, [], finish_reason
+        content, calls = parse_tool_calls(text, req.tool_names)
+        return (content, calls, "tool_calls") if calls else (text, [], finish_reason)
+
+    def response(self, req: Parsed, rec: RequestRecord, chat: bool) -> dict:
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": rec["text"]},
-                      "finish_reason": rec["finish_reason"]}
+            content, calls, finish = self.reply(req, rec.text, rec.finish_reason)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            choice = {"index": 0, "message": message, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": rec["text"], "finish_reason": rec["finish_reason"]}
-        return {"id": rec["id"], "object": "chat.completion" if chat else "text_completion", "created": rec["created"],
-                "model": rec["model"], "choices": [choice], "usage": usage, **self.extras(req, rec)}
+            choice = {"index": 0, "text": rec.text, "finish_reason": rec.finish_reason}
+        return {
+            "id": rec.request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(rec.ts),
+            "model": rec.model,
+            "choices": [choice],
+            "usage": usage(rec),
+            **self.extras(req, rec),
+        }
+
+
+def usage(rec: RequestRecord) -> dict:
+    return {
+        "prompt_tokens": rec.prompt_tokens,
+        "completion_tokens": rec.completion_tokens,
+        "total_tokens": rec.prompt_tokens + rec.completion_tokens,
+    }
+
+
+class Stream:
+    """One streamed request: tokens arrive from the decoding thread, text goes out as SSE chunks. Text that
+    could still become a stop string is held back; with tools offered, text that could be a tool call is too,
+    and the calls go out as `tool_calls` deltas once the reply is complete."""
+
+    def __init__(self, service: Service, req: Parsed, chat: bool):
+        self.service, self.req, self.chat = service, req, chat
+        self.hold = max((len(s) for s in req.params.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.created = int(time.time())
+
+    def chunk(self, delta: dict | None = None, text: str | None = None, finish=None, extra=None) -> str:
+        if self.chat:
+            choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish}
+        return (
+            "data: "
+            + json.dumps(
+                {
+                    "id": self.req.id,
+                    "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created,
+                    "model": self.service.cfg.model_name,
+                    "choices": [choice],
+                    **(extra or {}),
+                }
+            )
+            + "\n\n"
+        )
+
+    def content(self, text: str) -> str:
+        return self.chunk({"role": "assistant", "content": text}, text)
+
+    def progress(self) -> str | None:
+        """The chunk for the text decoded so far that is safe to send, if any."""
+        text = self.service.engine.target.decode(self.tokens)
+        safe = text[: len(text) - self.hold] if self.hold else text
+        if safe.endswith("\ufffd"):
+            return None  # an incomplete UTF-8 sequence: wait for the next token
+        if self.req.tool_names is not None:
+            safe = streamable_prefix(safe)
+        if len(safe) <= len(self.sent):
+            return None
+        out, self.sent = safe[len(self.sent) :], safe
+        return self.content(out)
+
+    def finish(self, rec: RequestRecord) -> list[str]:
+        content, calls, finish = (
+            self.service.reply(self.req, rec.text, rec.finish_reason)
+            if self.chat
+            else (rec.text, [], rec.finish_reason)
+        )
+        out = []
+        rest = (content or "") if calls else rec.text
+        if len(rest) > len(self.sent) and rest.startswith(self.sent):
+            out.append(self.content(rest[len(self.sent) :]))
+        for i, c in enumerate(calls):
+            out.append(self.chunk({"role": "assistant", "tool_calls": [{"index": i, **c}]}))
+        out.append(self.chunk(None, None, finish, {"usage": usage(rec), **self.service.extras(self.req, rec)}))
+        out.append("data: [DONE]\n\n")
+        return out
+
+
+async def sse(request, service: Service, st: Stream):
+    """The SSE body of one streamed request; a client that disconnects stops its row at the next token."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    gone = threading.Event()
+
+    def on_token(tok: int):
+        st.tokens.append(tok)
+        loop.call_soon_threadsafe(events.put_nowait, ("tok", None))
+        return not gone.is_set()
+
+    def work():
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, ("done", service.run(st.req, on_token)))
+        except BadRequest as e:
+            loop.call_soon_threadsafe(events.put_nowait, ("error", e))
+
+    task = loop.run_in_executor(None, work)
+    try:
+        while True:
+            kind, payload = await events.get()
+            if kind == "tok":
+                out = st.progress()
+                if out:
+                    yield out
+                if await request.is_disconnected():
+                    gone.set()
+            elif kind == "error":
+                yield (
+                    "data: "
+                    + json.dumps({"error": {"message": str(payload), "type": "invalid_request_error"}})
+                    + "\n\n"
+                )
+                break
+            else:
+                for out in st.finish(payload):
+                    yield out
+                break
+    finally:
+        gone.set()
+        await task  # the engine stops at its next token once `gone` is set
 
 
 def create_app(service: Service):
@@ -273,8 +423,9 @@ def create_app(service: Service):
     def error(e: BadRequest) -> JSONResponse:
         service.metrics.errors.labels(str(e.status)).inc()
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}},
-                            status_code=e.status)
+        return JSONResponse(
+            {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}, status_code=e.status
+        )
 
     async def body_of(request: Request):
         raw = await request.body()
@@ -288,76 +439,17 @@ def create_app(service: Service):
             req = service.parse(await body_of(request), chat)
         except BadRequest as e:
             return error(e)
-        if not req["stream"]:
-            try:
-                rec = await asyncio.to_thread(service.run, req)
-            except BadRequest as e:
-                return error(e)
-            return JSONResponse(service.response(req, rec, chat), headers={"x-dspine-request-id": rec["id"]})
-        return StreamingResponse(stream(request, req, chat), media_type="text/event-stream",
-                                 headers={"x-dspine-request-id": req.setdefault("id", f"chatcmpl-{uuid.uuid4().hex[:24]}")})
-
-    async def stream(request: Request, req: dict, chat: bool):
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        gone = threading.Event()
-        tokens: list[int] = []
-        tgt = service.engine.target
-        hold = max((len(s) for s in req["params"].stop), default=1) - 1
-
-        def on_token(tok: int):
-            tokens.append(tok)
-            loop.call_soon_threadsafe(queue.put_nowait, ("tok", None))
-            return not gone.is_set()
-
-        def work():
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", service.run(req, on_token)))
-            except BadRequest as e:
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
-
-        task = loop.run_in_executor(None, work)
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        created = int(time.time())
-
-        def chunk(delta_text: str | None, finish=None, extra=None) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": delta_text} if delta_text is not None else {}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish}
-            return "data: " + json.dumps({"id": req["id"], "object": obj, "created": created,
-                                          "model": service.cfg.model_name, "choices": [choice], **(extra or {})}) + "\n\n"
-
-        sent = ""
+        if req.stream:
+            return StreamingResponse(
+                sse(request, service, Stream(service, req, chat)),
+                media_type="text/event-stream",
+                headers={"x-dspine-request-id": req.id},
+            )
         try:
-            while True:
-                kind, payload = await queue.get()
-                if kind == "tok":
-                    text = tgt.decode(tokens)
-                    safe = text[: len(text) - hold] if hold else text
-                    if safe.endswith("\ufffd"):
-                        continue  # an incomplete UTF-8 sequence: wait for the next token
-                    if len(safe) > len(sent):
-                        yield chunk(safe[len(sent):])
-                        sent = safe
-                    if await request.is_disconnected():
-                        gone.set()
-                elif kind == "error":
-                    yield "data: " + json.dumps({"error": {"message": str(payload), "type": "invalid_request_error"}}) + "\n\n"
-                    break
-                else:
-                    rec = payload
-                    if len(rec["text"]) > len(sent) and rec["text"].startswith(sent):
-                        yield chunk(rec["text"][len(sent):])
-                    usage = {"prompt_tokens": rec["prompt_tokens"], "completion_tokens": rec["completion_tokens"],
-                             "total_tokens": rec["prompt_tokens"] + rec["completion_tokens"]}
-                    yield chunk(None, rec["finish_reason"], {"usage": usage, **service.extras(req, rec)})
-                    yield "data: [DONE]\n\n"
-                    break
-        finally:
-            gone.set()
-            await task  # the engine stops at its next token once `gone` is set
+            rec = await asyncio.to_thread(service.run, req)
+        except BadRequest as e:
+            return error(e)
+        return JSONResponse(service.response(req, rec, chat), headers={"x-dspine-request-id": rec.request_id})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -369,8 +461,18 @@ def create_app(service: Service):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.cfg.model_name, "object": "model", "owned_by": "dspine",
-                                            "drafter": service.drafter_name, "method": service.engine.method}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": service.cfg.model_name,
+                    "object": "model",
+                    "owned_by": "dspine",
+                    "drafter": service.drafter_name,
+                    "method": service.engine.method,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -385,20 +487,31 @@ def create_app(service: Service):
         rec = service.records.get(rid)
         if rec is None:
             return error(BadRequest(f"no finished request {rid!r}", status=404))
-        return rec
+        return rec.to_json()
 
     return app
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, cfg: ServeConfig | None = None,
-          drafter_name: str | None = None) -> None:
+def serve(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    cfg: ServeConfig | None = None,
+    drafter_name: str | None = None,
+) -> None:
     import uvicorn
 
     uvicorn.run(create_app(Service(engine, cfg, drafter_name)), host=host, port=port, log_level="warning")
 
 
-def start_server_process(drafter: str | None = None, name: str = "dspine", target: str | None = None,
-                         port: int | None = None, extra: list[str] | None = None, log=None):
+def start_server_process(
+    drafter: str | None = None,
+    name: str = "dspine",
+    target: str | None = None,
+    port: int | None = None,
+    extra: list[str] | None = None,
+    log=None,
+):
     """`dspine serve` as a child process on 127.0.0.1 -> (process, base URL), once /health answers."""
     import subprocess
     import sys

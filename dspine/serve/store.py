@@ -13,10 +13,26 @@ import sqlite3
 import time
 from pathlib import Path
 
-from dspine.stats import AcceptanceStats, quantile
+from dspine.serve.records import RequestRecord
+from dspine.stats import AcceptanceStats, group_by, quantile
 
-COLUMNS = ("request_id", "ts", "model", "drafter", "method", "workload", "thinking", "stream", "prompt_tokens",
-           "completion_tokens", "tau", "verify_rounds", "accept_hist", "latency_s", "source")
+COLUMNS = (
+    "request_id",
+    "ts",
+    "model",
+    "drafter",
+    "method",
+    "workload",
+    "thinking",
+    "stream",
+    "prompt_tokens",
+    "completion_tokens",
+    "tau",
+    "verify_rounds",
+    "accept_hist",
+    "latency_s",
+    "source",
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -58,17 +74,20 @@ class AcceptanceStore:
         db.execute("PRAGMA busy_timeout=30000")
         return db
 
-    def append(self, rec: dict) -> bool:
-        """Insert one record (keys: COLUMNS; accept_hist a list). False when the request id is already there."""
-        row = {c: rec.get(c) for c in COLUMNS}
-        row["ts"] = row["ts"] or time.time()
+    def append(self, rec: RequestRecord | dict) -> bool:
+        """Insert one record (a dict is read by RequestRecord.from_json). False when its id is already there."""
+        if isinstance(rec, dict):
+            rec = RequestRecord.from_json(rec)
+        row = {c: getattr(rec, c) for c in COLUMNS}
         row["stream"] = int(bool(row["stream"]))
         if row["accept_hist"] is not None:
             row["accept_hist"] = json.dumps([int(x) for x in row["accept_hist"]])
         db = self._connect()
         try:
-            cur = db.execute(f"INSERT OR IGNORE INTO requests ({', '.join(COLUMNS)}) "
-                             f"VALUES ({', '.join('?' for _ in COLUMNS)})", [row[c] for c in COLUMNS])
+            cur = db.execute(
+                f"INSERT OR IGNORE INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})",
+                [row[c] for c in COLUMNS],
+            )
             return cur.rowcount == 1
         finally:
             db.close()
@@ -88,41 +107,38 @@ class AcceptanceStore:
         """What the dashboard draws: τ and per-slot acceptance by workload × thinking level, τ and
         requests/s over time."""
         rows = self.rows(since)
-        groups: dict[tuple[str, str], list[dict]] = {}
-        for r in rows:
-            groups.setdefault((r["workload"], r["thinking"]), []).append(r)
         cells = []
-        for (w, t), rs in sorted(groups.items()):
-            stats = [_stats(r) for r in rs if r["accept_hist"]]
-            pooled = _merge(stats)
-            cells.append({"workload": w, "thinking": t, "requests": len(rs),
-                          "tau_mean": sum(s.tau for s in stats) / len(stats) if stats else None,
-                          "tau_pooled": pooled.tau if pooled else None,
-                          "per_slot": pooled.per_slot if pooled else [],
-                          "latency_p50_s": quantile([r["latency_s"] for r in rs if r["latency_s"] is not None], 0.5)})
+        by_cell = group_by(((r["workload"], r["thinking"]), _stats(r)) for r in rows)
+        for (w, t), g in sorted(by_cell.items()):
+            lat = [
+                r["latency_s"] for r in rows if (r["workload"], r["thinking"]) == (w, t) and r["latency_s"] is not None
+            ]
+            cells.append(
+                {
+                    "workload": w,
+                    "thinking": t,
+                    "requests": g["items"],
+                    "tau_mean": g["tau_mean"] if g["requests"] else None,
+                    "tau_pooled": g["tau_pooled"] if g["requests"] else None,
+                    "per_slot": g["per_slot"],
+                    "latency_p50_s": quantile(lat, 0.5),
+                }
+            )
         series = []
         if rows:
             t0 = rows[0]["ts"] - rows[0]["ts"] % bucket_s
-            buckets: dict[float, list[dict]] = {}
-            for r in rows:
-                buckets.setdefault(t0 + (r["ts"] - t0) // bucket_s * bucket_s, []).append(r)
-            for start, rs in sorted(buckets.items()):
-                stats = [_stats(r) for r in rs if r["accept_hist"]]
-                series.append({"t": start, "requests": len(rs), "requests_per_s": len(rs) / bucket_s,
-                               "tau_mean": sum(s.tau for s in stats) / len(stats) if stats else None})
-        return {"requests": len(rows), "cells": cells, "series": series, "bucket_s": bucket_s,
-                "generated": time.time()}
+            by_time = group_by((t0 + (r["ts"] - t0) // bucket_s * bucket_s, _stats(r)) for r in rows)
+            for start, g in sorted(by_time.items()):
+                series.append(
+                    {
+                        "t": start,
+                        "requests": g["items"],
+                        "requests_per_s": g["items"] / bucket_s,
+                        "tau_mean": g["tau_mean"] if g["requests"] else None,
+                    }
+                )
+        return {"requests": len(rows), "cells": cells, "series": series, "bucket_s": bucket_s, "generated": time.time()}
 
 
-def _stats(r: dict) -> AcceptanceStats:
-    return AcceptanceStats(len(r["accept_hist"]), r["accept_hist"])
-
-
-def _merge(stats: list[AcceptanceStats]) -> AcceptanceStats | None:
-    """Pooled stats, or None when there are none or drafters of different block sizes are mixed."""
-    if len({s.block_size for s in stats}) != 1:
-        return None
-    out = None
-    for s in stats:
-        out = s if out is None else out.merge(s)
-    return out
+def _stats(r: dict) -> AcceptanceStats | None:
+    return AcceptanceStats(len(r["accept_hist"]), r["accept_hist"]) if r["accept_hist"] else None

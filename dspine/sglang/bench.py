@@ -20,17 +20,23 @@ so every backend sees the same tokens).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspine.io import git_sha, hardware
+import torch
+
+from dspine.config import ConfigError
+from dspine.io import git_sha, hardware, update_summary
 from dspine.process import free_port, wait_http
 from dspine.sglang.plugin.timing import split
 from dspine.stats import tau_of
@@ -43,10 +49,28 @@ from dspine.target import chat_template_ids
 # by a share of the memory, and --mem-fraction-static only keeps SGLang's slack small enough that the others'
 # allocations do not fail the check; --sleep-on-idle keeps the waiting servers off the CPU (they wake on a
 # request's arrival).
-DEFAULT_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-radix-cache",
-                 "--mem-fraction-static", "0.9", "--max-total-tokens", "131072", "--sleep-on-idle",
-                 "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32",
-                 "--max-running-requests", "64", "--disable-prefill-cuda-graph")
+DEFAULT_FLAGS = (
+    "--attention-backend",
+    "triton",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-radix-cache",
+    "--mem-fraction-static",
+    "0.9",
+    "--max-total-tokens",
+    "131072",
+    "--sleep-on-idle",
+    "--cuda-graph-bs-decode",
+    "1",
+    "2",
+    "4",
+    "8",
+    "16",
+    "32",
+    "--max-running-requests",
+    "64",
+    "--disable-prefill-cuda-graph",
+)
 
 
 def sglang_version() -> str:
@@ -76,24 +100,51 @@ class SGLangServer:
     """One `sglang.launch_server` child on 127.0.0.1; its log goes to `log_path`. Construction launches it;
     `wait()` blocks until it serves (so several can start side by side)."""
 
-    def __init__(self, target_path: str, draft: str | None, block_size: int, flags: list[str], dtype: str,
-                 log_path: Path, env: dict | None = None):
+    def __init__(
+        self,
+        target_path: str,
+        draft: str | None,
+        block_size: int,
+        flags: list[str],
+        dtype: str,
+        log_path: Path,
+        env: dict | None = None,
+    ):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target_path, "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", dtype, *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            target_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            dtype,
+            *flags,
+        ]
         if draft:
-            cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft,
-                    "--speculative-num-draft-tokens", str(block_size)]
+            cmd += [
+                "--speculative-algorithm",
+                "DFLASH",
+                "--speculative-draft-model-path",
+                draft,
+                "--speculative-num-draft-tokens",
+                str(block_size),
+            ]
         self.cmd, self.log_path = cmd, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "wb")
         self.t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
         self.base = f"http://127.0.0.1:{self.port}"
         self.startup_s: float | None = None
 
-    def wait(self, timeout: float = 600) -> "SGLangServer":
+    def wait(self, timeout: float = 600) -> SGLangServer:
         if self.startup_s is not None:  # already serving
             return self
         try:
@@ -106,8 +157,9 @@ class SGLangServer:
 
     def generate(self, ids: list[int], max_new_tokens: int, temperature: float) -> dict:
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
-        req = urllib.request.Request(self.base + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         t0 = time.perf_counter()
         with urllib.request.urlopen(req, timeout=600) as r:
             doc = json.loads(r.read())
@@ -152,10 +204,52 @@ def _match(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"identical": same, "of": len(a), "mean_common_prefix": sum(prefix) / max(1, len(prefix))}
 
 
-def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: list, concurrencies: list[int],
-                 max_new_tokens: int, out_dir: Path, dtype: str = "bfloat16", flags: list[str] | None = None,
-                 temperature: float = 0.0, progress: bool = True, parallel_start: bool = True,
-                 server_env: dict[str, dict[str, str]] | None = None) -> dict:
+def _spec_figures(row: dict, docs: list[dict], wall: float, before: dict | None, after: dict | None):
+    """τ of one set's requests into `row` and, with timing snapshots, the CUDA-event split of its rounds from
+    inside SGLang (timing.py) -> (per-request τ, (accepted drafts, verify rounds) per request)."""
+    counts = [(d["meta_info"].get("spec_num_correct_drafts", 0), d["meta_info"]["spec_verify_ct"]) for d in docs]
+    taus = [tau_of(a, r) for a, r in counts]
+    row["tau_mean"] = sum(taus) / len(taus)
+    row["tau_pooled"] = tau_of(sum(a for a, _ in counts), sum(r for _, r in counts))
+    if after is not None:
+        t = split(after, before)
+        row["phase_ms_per_round"] = {k: t[f"{k}_ms"] for k in ("draft", "verify", "glue")}
+        row["timed_rounds"], row["gpu_round_ms"] = t["rounds"], t["round_ms"]
+        # wall time outside the timed rounds and prefills: scheduling, HTTP, idle GPU
+        row["outside_rounds_s"] = wall - (t["rounds_total_ms"] + t["extend_total_ms"]) / 1000
+        row["prefill_ms_total"] = t["extend_total_ms"]
+    return taus, counts
+
+
+def _c1_figures(row, docs, prefill, counts, taus, bench_of, per_bench, name) -> None:
+    """At concurrency 1: the round time (drafters) or the AR step, and τ per benchmark."""
+    decode = [max(1e-9, d["latency_s"] - p) for d, p in zip(docs, prefill)]
+    if counts is None:
+        steps = sum(max(1, d["meta_info"]["completion_tokens"] - 1) for d in docs)
+        row["ar_step_ms"] = 1000 * sum(decode) / steps
+        return
+    row["round_ms"] = 1000 * sum(decode) / sum(max(1, r) for _, r in counts)
+    per_bench[name] = {}
+    for b in dict.fromkeys(bench_of):
+        t = [x for x, bb in zip(taus, bench_of) if bb == b]
+        per_bench[name][b] = sum(t) / len(t)
+
+
+def sglang_bench(
+    target_path: str,
+    tokenizer,
+    drafters: dict[str, str],
+    items: list,
+    concurrencies: list[int],
+    max_new_tokens: int,
+    out_dir: Path,
+    dtype: str = "bfloat16",
+    flags: list[str] | None = None,
+    temperature: float = 0.0,
+    progress: bool = True,
+    parallel_start: bool = True,
+    server_env: dict[str, dict[str, str]] | None = None,
+) -> dict:
     """items: (benchmark, Item) pairs (first turns are sent); drafters {name: checkpoint or export}.
     parallel_start: launch every server first, then measure them one at a time (each closed after its run).
     server_env: {method: {variable: value}} set for that method's server only (kept in the document).
@@ -202,54 +296,57 @@ def sglang_bench(target_path: str, tokenizer, drafters: dict[str, str], items: l
                 row = {"requests": len(docs), "tokens": toks, "seconds": wall, "tokens_per_s": toks / wall}
                 outputs[name][c] = [list(d.get("output_ids", [])) for d in docs]
                 if draft:
-                    counts = [(d["meta_info"].get("spec_num_correct_drafts", 0), d["meta_info"]["spec_verify_ct"])
-                              for d in docs]  # (accepted drafts, verify rounds) per request
-                    taus = [tau_of(a, r) for a, r in counts]
-                    row["tau_mean"] = sum(taus) / len(taus)
-                    row["tau_pooled"] = tau_of(sum(a for a, _ in counts), sum(r for _, r in counts))
                     after = _timing_mark(srv, prompts[0], timing)
-                    if after is not None:  # CUDA-event split of this set's rounds from inside SGLang (timing.py)
-                        t = split(after, before)
-                        row["phase_ms_per_round"] = {k: t[f"{k}_ms"] for k in ("draft", "verify", "glue")}
-                        row["timed_rounds"], row["gpu_round_ms"] = t["rounds"], t["round_ms"]
-                        # wall time outside the timed rounds and prefills: scheduling, HTTP, idle GPU
-                        row["outside_rounds_s"] = wall - (t["rounds_total_ms"] + t["extend_total_ms"]) / 1000
-                        row["prefill_ms_total"] = t["extend_total_ms"]
+                    taus, counts = _spec_figures(row, docs, wall, before, after)
                     before = after
                 if c == 1:
-                    decode = [max(1e-9, d["latency_s"] - p) for d, p in zip(docs, prefill)]
-                    if draft:
-                        row["round_ms"] = 1000 * sum(decode) / sum(max(1, r) for _, r in counts)
-                        per_bench[name] = {}
-                        for b in dict.fromkeys(bench_of):
-                            t = [x for x, bb in zip(taus, bench_of) if bb == b]
-                            per_bench[name][b] = sum(t) / len(t)
-                    else:
-                        steps = sum(max(1, d["meta_info"]["completion_tokens"] - 1) for d in docs)
-                        row["ar_step_ms"] = 1000 * sum(decode) / steps
+                    _c1_figures(
+                        row,
+                        docs,
+                        prefill,
+                        counts if draft else None,
+                        taus if draft else None,
+                        bench_of,
+                        per_bench,
+                        name,
+                    )
                 by_conc[c][name] = row
                 bar.update(1)
-            servers[name] = {"startup_s": srv.startup_s, "command": " ".join(srv.cmd),
-                             "env": server_env.get(name, {})}
+            servers[name] = {"startup_s": srv.startup_s, "command": " ".join(srv.cmd), "env": server_env.get(name, {})}
             srv.close()
     finally:
         for srv in started.values():
             srv.close()
     bar.close()
     for c, rows in by_conc.items():
-        for name, row in rows.items():
+        for row in rows.values():
             row["speedup_vs_ar"] = row["tokens_per_s"] / rows["ar"]["tokens_per_s"]
             if c == 1 and "round_ms" in row:
                 row["round_over_ar_step"] = row["round_ms"] / rows["ar"]["ar_step_ms"]
     ref = outputs["ar"][concurrencies[0]]
     match = {name: {str(c): _match(outs[c], ref) for c in concurrencies} for name, outs in outputs.items()}
-    return {"backend": "sglang", "concurrency": 1, "rows": by_conc[1], "by_concurrency": {str(c): r for c, r in by_conc.items()},
-            "tau_per_benchmark_c1": per_bench, "greedy_match_vs_ar_c1": match if temperature == 0 else None,
-            "prompt_ids": prompts, "outputs_c1": {n: outs[concurrencies[0]] for n, outs in outputs.items() if n != "ar"},
-            "servers": servers, "sglang_version": sglang_version(), "flags": flags, "dtype": dtype,
-            "temperature": temperature, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
-            "benchmarks": list(dict.fromkeys(bench_of)), "benchmark_of": bench_of, "git_sha": git_sha(), "hardware": hardware(),
-            "command": " ".join(sys.argv)}
+    return {
+        "backend": "sglang",
+        "concurrency": 1,
+        "rows": by_conc[1],
+        "by_concurrency": {str(c): r for c, r in by_conc.items()},
+        "tau_per_benchmark_c1": per_bench,
+        "greedy_match_vs_ar_c1": match if temperature == 0 else None,
+        "prompt_ids": prompts,
+        "outputs_c1": {n: outs[concurrencies[0]] for n, outs in outputs.items() if n != "ar"},
+        "servers": servers,
+        "sglang_version": sglang_version(),
+        "flags": flags,
+        "dtype": dtype,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "prompts": len(prompts),
+        "benchmarks": list(dict.fromkeys(bench_of)),
+        "benchmark_of": bench_of,
+        "git_sha": git_sha(),
+        "hardware": hardware(),
+        "command": " ".join(sys.argv),
+    }
 
 
 def replay_jobs(doc: dict, names: list[str]) -> list[tuple[str, list[int], list[int]]]:
@@ -270,13 +367,16 @@ def replay_agreement(doc: dict, jobs: list, results: list[dict], engine_dtype: s
         per.setdefault(name, {}).setdefault(bench_of[tuple(p)], []).append(r["tau"])
     out = {}
     for name, by_b in per.items():
-        rows = {b: {"sglang": doc["tau_per_benchmark_c1"][name][b], "engine": sum(t) / len(t)}
-                for b, t in by_b.items()}
+        rows = {b: {"sglang": doc["tau_per_benchmark_c1"][name][b], "engine": sum(t) / len(t)} for b, t in by_b.items()}
         for r in rows.values():
             r["ratio"] = r["sglang"] / r["engine"]
-        out[name] = {"per_benchmark": rows, "max_rel_diff": max(abs(r["ratio"] - 1) for r in rows.values()),
-                     "engine_dtype": engine_dtype, "requests": sum(len(t) for t in by_b.values()),
-                     "method": "the engine replays SGLang's own concurrency-1 outputs (Engine.generate forced=)"}
+        out[name] = {
+            "per_benchmark": rows,
+            "max_rel_diff": max(abs(r["ratio"] - 1) for r in rows.values()),
+            "engine_dtype": engine_dtype,
+            "requests": sum(len(t) for t in by_b.values()),
+            "method": "the engine replays SGLang's own concurrency-1 outputs (Engine.generate forced=)",
+        }
     return out
 
 
@@ -285,14 +385,118 @@ def speed_section(doc: dict, kernels: dict | None, dspine: str = "dspine", dflas
     and transition figures per round)."""
     bc = doc["by_concurrency"]
     ratios = [bc[c][dspine]["tokens_per_s"] / bc[c][dflash]["tokens_per_s"] for c in bc]
-    out = {"dspine_vs_dflash_throughput_c1_32": sum(ratios) / len(ratios),
-           "dspine_vs_dflash_throughput_by_c": {c: r for c, r in zip(bc, ratios)},
-           "dspine_vs_ar_c1": doc["rows"][dspine]["speedup_vs_ar"],
-           "round_over_ar_step_dspine": doc["rows"][dspine]["round_over_ar_step"],
-           "round_over_ar_step_dflash": doc["rows"][dflash]["round_over_ar_step"],
-           "tau_c1": {n: r.get("tau_mean", 1.0) for n, r in doc["rows"].items()}}
+    out = {
+        "dspine_vs_dflash_throughput_c1_32": sum(ratios) / len(ratios),
+        "dspine_vs_dflash_throughput_by_c": {c: r for c, r in zip(bc, ratios)},
+        "dspine_vs_ar_c1": doc["rows"][dspine]["speedup_vs_ar"],
+        "round_over_ar_step_dspine": doc["rows"][dspine]["round_over_ar_step"],
+        "round_over_ar_step_dflash": doc["rows"][dflash]["round_over_ar_step"],
+        "tau_c1": {n: r.get("tau_mean", 1.0) for n, r in doc["rows"].items()},
+    }
     if kernels:
         out["injection_ms_per_round"] = kernels.get("injection_ms_per_round")
         out["transition_ms_per_round"] = kernels.get("transition_ms_per_round")
     out.update({k: doc[k] for k in ("git_sha", "command", "sglang_version", "flags", "hardware")})
     return out
+
+
+@dataclass
+class SGLangBenchConfig:
+    """What `dspine bench --backend sglang` asks for (the engine settings are for --engine-agreement)."""
+
+    target: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    device: str = "cpu"
+    limit: int = 4
+    max_new_tokens: int = 128
+    sglang_dtype: str = "bfloat16"
+    flags: list[str] | None = None
+    out: str | None = None
+    summary: str | None = None
+    engine_agreement: int = 0  # worker processes; 0: off
+    agreement_drafters: list[str] = field(default_factory=lambda: ["dspine"])
+    parallel_start: bool = True
+    server_env: list[str] = field(default_factory=list)  # NAME:KEY=VALUE
+    progress: bool = True
+
+
+def parse_server_env(items: list[str], names: list[str]) -> dict[str, dict[str, str]]:
+    """NAME:KEY=VALUE options -> {name: {key: value}}, each name one of `names`."""
+    env: dict[str, dict[str, str]] = {}
+    for item in items:
+        name, sep, kv = item.partition(":")
+        key, eq, value = kv.partition("=")
+        if not (sep and eq and key.isidentifier()):
+            raise ConfigError(f"--server-env {item!r} is not NAME:KEY=VALUE")
+        if name not in names:
+            raise ConfigError(f"--server-env {item!r}: {name!r} is not a measured method ({', '.join(names)})")
+        env.setdefault(name, {})[key] = value
+    return env
+
+
+def _check(cfg: SGLangBenchConfig, specs: dict[str, str], conc: list[int]) -> None:
+    if 1 not in conc:
+        raise ConfigError("--concurrency must include 1: τ per benchmark and the round cost are measured there")
+    if cfg.summary and not {"dspine", "dflash"} <= set(specs):
+        raise ConfigError(
+            "--summary needs drafters named dspine and dflash (--drafter dspine=... --drafter dflash=...)"
+        )
+    agree = cfg.agreement_drafters if cfg.engine_agreement else []
+    if set(agree) - set(specs):
+        raise ConfigError(f"--agreement-drafters {sorted(set(agree) - set(specs))} are not among the --drafter names")
+    parse_server_env(cfg.server_env, ["ar", *specs])
+    if importlib.util.find_spec("sglang") is None:
+        raise ConfigError("--backend sglang needs SGLang: pip install 'dspine[sglang]' (on a CUDA machine)")
+
+
+def run_sglang_bench(cfg: SGLangBenchConfig, benches: list[str], specs: dict[str, str], conc: list[int]) -> dict:
+    """Start the servers, measure, optionally replay with dspine's engine and rewrite the summary -> the doc."""
+    from transformers import AutoTokenizer
+
+    from dspine.checkpoint import load_drafter
+    from dspine.eval.acceptance import replay
+    from dspine.target import load_target, resolve_target_path
+    from dspine.workloads import load_benchmark
+
+    _check(cfg, specs, conc)
+    server_env = parse_server_env(cfg.server_env, ["ar", *specs])  # checked above
+    path = resolve_target_path(cfg.target)
+    out_dir = Path(cfg.out).parent if cfg.out else Path(tempfile.mkdtemp(prefix="dspine-sglang-"))
+    items = [(b, it) for b in benches for it in load_benchmark(b, cfg.limit)]
+    doc = sglang_bench(
+        str(path),
+        AutoTokenizer.from_pretrained(path),
+        specs,
+        items,
+        conc,
+        cfg.max_new_tokens,
+        out_dir,
+        dtype=cfg.sglang_dtype,
+        flags=cfg.flags,
+        progress=cfg.progress,
+        parallel_start=cfg.parallel_start,
+        server_env=server_env,
+    )
+    if cfg.engine_agreement:
+        sub = {n: specs[n] for n in cfg.agreement_drafters}
+        target, drafters = None, {}
+        if cfg.engine_agreement <= 1:  # worker processes load their own models
+            dtype = getattr(torch, cfg.dtype)
+            target = load_target(cfg.target, dtype=dtype, device=cfg.device)
+            drafters = {n: load_drafter(p, target, dtype=dtype, device=cfg.device) for n, p in sub.items()}
+        jobs = replay_jobs(doc, list(sub))
+        res = replay(
+            target,
+            drafters,
+            jobs,
+            progress=cfg.progress,
+            workers=cfg.engine_agreement,
+            target_spec=(cfg.target, cfg.dtype, cfg.device),
+            drafter_paths=sub,
+        )
+        doc["engine_agreement"] = replay_agreement(doc, jobs, res, cfg.dtype)
+    if cfg.summary:
+        summary = Path(cfg.summary)
+        kernels = json.loads(summary.read_text()).get("kernels") if summary.is_file() else None
+        update_summary(summary, "speed", speed_section(doc, kernels))
+    return doc

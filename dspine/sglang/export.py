@@ -21,8 +21,15 @@ from dspine.checkpoint import CheckpointError, load_at, save_drafter
 from dspine.drafter import DSpineConfig
 
 ARCHS = {"dflash": "DFlashDraftModel", "post_backbone": "DSpineDraftModel", "dspine": "DSpineDraftModel"}
-INJECTION = ("readout.weight", "readout.bias", "gate_f.weight", "gate_f.bias", "gate_p.weight", "message.weight",
-             "write.weight")
+INJECTION = (
+    "readout.weight",
+    "readout.bias",
+    "gate_f.weight",
+    "gate_f.bias",
+    "gate_p.weight",
+    "message.weight",
+    "write.weight",
+)
 
 
 class ExportError(CheckpointError):
@@ -31,17 +38,33 @@ class ExportError(CheckpointError):
 
 def sglang_weight_shapes(cfg: DSpineConfig) -> dict[str, tuple[int, ...]]:
     """Every weight name SGLang (+ the dspine plugin) expects for this config, with its shape."""
-    d, hd, nh, nkv, ff, r, s = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                cfg.intermediate_size, cfg.transfer_rank, cfg.message_size)
+    d, hd, nh, nkv, ff, r, s = (
+        cfg.hidden_size,
+        cfg.head_dim,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+        cfg.transfer_rank,
+        cfg.message_size,
+    )
     out = {"fc.weight": (d, len(cfg.target_layer_ids) * d), "hidden_norm.weight": (d,), "norm.weight": (d,)}
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (nh * hd, d), p + "self_attn.k_proj.weight": (nkv * hd, d),
-                    p + "self_attn.v_proj.weight": (nkv * hd, d), p + "self_attn.o_proj.weight": (d, nh * hd),
-                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-                    p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                    p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
-                    p + "mlp.down_proj.weight": (d, ff)})
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (nh * hd, d),
+                p + "self_attn.k_proj.weight": (nkv * hd, d),
+                p + "self_attn.v_proj.weight": (nkv * hd, d),
+                p + "self_attn.o_proj.weight": (d, nh * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "input_layernorm.weight": (d,),
+                p + "post_attention_layernorm.weight": (d,),
+                p + "mlp.gate_proj.weight": (ff, d),
+                p + "mlp.up_proj.weight": (ff, d),
+                p + "mlp.down_proj.weight": (d, ff),
+            }
+        )
     for layer in cfg.inject_layers:
         shapes = ((r, d), (r,), (s, r), (s,), (s, r), (s, r), (d, s))
         out.update({f"injections.{layer}.{n}": sh for n, sh in zip(INJECTION, shapes)})
@@ -61,8 +84,10 @@ def validate_sglang_export(path: str | Path) -> dict:
     # the exported architecture is SGLang's name; the rest parses as a dspine config
     cfg = config_from_json({**raw, "architectures": ["DSpineDraftModel"]})
     if raw.get("architectures") != [ARCHS[cfg.method]]:
-        raise ExportError(f"{path}: architectures {raw.get('architectures')} for a {cfg.method} drafter, "
-                          f"expected {[ARCHS[cfg.method]]}")
+        raise ExportError(
+            f"{path}: architectures {raw.get('architectures')} for a {cfg.method} drafter, "
+            f"expected {[ARCHS[cfg.method]]}"
+        )
     if not 0 <= raw["dflash_config"]["mask_token_id"] < cfg.vocab_size:
         raise ExportError(f"{path}: mask_token_id outside the vocabulary")
     want = sglang_weight_shapes(cfg)
@@ -70,24 +95,33 @@ def validate_sglang_export(path: str | Path) -> dict:
         have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
-        raise ExportError(f"{path}: weight names differ from what SGLang loads: missing {missing[:6]}, "
-                          f"extra {extra[:6]} (SGLang would silently skip extras)")
+        raise ExportError(
+            f"{path}: weight names differ from what SGLang loads: missing {missing[:6]}, "
+            f"extra {extra[:6]} (SGLang would silently skip extras)"
+        )
     bad = [f"{k}: {have[k]} vs {v}" for k, v in want.items() if have[k] != v]
     if bad:
         raise ExportError(f"{path}: weight shapes differ: {bad[:4]}")
     return {"architecture": raw["architectures"][0], "weights": len(have), "method": cfg.method}
 
 
-def export_sglang(ckpt: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16,
-                  top_k: int | None = None) -> dict:
+def export_sglang(
+    ckpt: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16, top_k: int | None = None
+) -> dict:
     """`top_k`: the transition-cache width the server walks, when not the checkpoint's (decode-time only)."""
     model = load_at(ckpt if top_k is None else (ckpt, {"top_k": top_k}))
     codes = model.transfer_codes.detach().clone() if model.config.uses_injection else None
     model = model.to(dtype)
     if codes is not None:
         model.transfer_codes = codes  # keep the lookup table fp32
-    save_drafter(model, out, config_overrides={"architectures": [ARCHS[model.config.method]],
-                                               "torch_dtype": str(dtype).replace("torch.", "")})
+    save_drafter(
+        model,
+        out,
+        config_overrides={
+            "architectures": [ARCHS[model.config.method]],
+            "torch_dtype": str(dtype).replace("torch.", ""),
+        },
+    )
     try:
         return {**validate_sglang_export(out), "path": str(out)}
     except ExportError:

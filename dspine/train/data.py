@@ -48,20 +48,25 @@ def existing_ids(out: Path) -> set[str]:
     return ids
 
 
-def _generate_batch(target: Target, batch: list[list[int]], max_new_tokens: int, temperature: float,
-                    seed: int) -> list[tuple[list[int], str]]:
+def _generate_batch(
+    target: Target, batch: list[list[int]], max_new_tokens: int, temperature: float, seed: int
+) -> list[tuple[list[int], str]]:
     """Left-padded batched generation -> (response ids without EOS, finish reason) per row."""
     pad = target.tokenizer.pad_token_id if target.tokenizer and target.tokenizer.pad_token_id is not None else 0
     L = max(map(len, batch))
     dev = target.device
     ids = torch.tensor([[pad] * (L - len(s)) + s for s in batch], device=dev)
-    mask = (torch.arange(L, device=dev)[None] >= torch.tensor([L - len(s) for s in batch], device=dev)[:, None])
+    mask = torch.arange(L, device=dev)[None] >= torch.tensor([L - len(s) for s in batch], device=dev)[:, None]
     torch.manual_seed(seed)
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    kw = (
+        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        if temperature > 0
+        else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    )
     with torch.no_grad():
-        gen = target.model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=max_new_tokens,
-                                    pad_token_id=pad, **kw)
+        gen = target.model.generate(
+            input_ids=ids, attention_mask=mask.long(), max_new_tokens=max_new_tokens, pad_token_id=pad, **kw
+        )
     eos = target.eos_token_ids
     out = []
     for row in gen[:, L:].tolist():
@@ -75,9 +80,45 @@ def _generate_batch(target: Target, batch: list[list[int]], max_new_tokens: int,
     return out
 
 
-def regenerate_dataset(target: Target, items: list[tuple[str, str]], out: str | Path, max_new_tokens: int = 256,
-                       batch_size: int = 16, temperature: float = 0.0, thinking: str = "none",
-                       part_size: int = 256, progress: bool = True, seed: int = 0) -> RegenReport:
+def _writable(out: Path) -> Path:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".probe-")
+        probe.close()
+    except OSError as e:
+        raise RegenError(f"cannot write to {out}: {e.strerror or e}") from None
+    return out
+
+
+def _encode(target: Target, todo: list[tuple[str, str]], max_new_tokens: int, errors: list[dict]) -> list[tuple]:
+    """(id, prompt, chat ids) of each prompt that fits the context; the others go to `errors`."""
+    max_ctx = target.info.max_position_embeddings
+    encoded = []
+    for i, p in todo:
+        try:
+            if not isinstance(p, str) or not p.strip():
+                raise ValueError("empty prompt")
+            ids = target.chat_ids([{"role": "user", "content": p}])
+            if len(ids) + max_new_tokens > max_ctx:
+                raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new exceeds the context {max_ctx}")
+            encoded.append((i, p, ids))
+        except ValueError as e:
+            errors.append({"id": i, "error": str(e)})
+    return encoded
+
+
+def regenerate_dataset(
+    target: Target,
+    items: list[tuple[str, str]],
+    out: str | Path,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    temperature: float = 0.0,
+    thinking: str = "none",
+    part_size: int = 256,
+    progress: bool = True,
+    seed: int = 0,
+) -> RegenReport:
     """items: (id, prompt). Answers every prompt not already in `out`; returns the accounting."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -85,13 +126,7 @@ def regenerate_dataset(target: Target, items: list[tuple[str, str]], out: str | 
 
     if max_new_tokens <= 0 or batch_size <= 0:
         raise RegenError("max_new_tokens and batch_size must be positive")
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".probe-")
-        probe.close()
-    except OSError as e:
-        raise RegenError(f"cannot write to {out}: {e.strerror or e}") from None
+    out = _writable(Path(out))
     ids_seen = [i for i, _ in items]
     if len(set(ids_seen)) != len(ids_seen):
         raise RegenError("prompt ids are not unique")
@@ -111,23 +146,12 @@ def regenerate_dataset(target: Target, items: list[tuple[str, str]], out: str | 
         next_part += 1
         rows = []
 
-    max_ctx = target.info.max_position_embeddings
-    encoded = []
-    for i, p in todo:
-        try:
-            if not isinstance(p, str) or not p.strip():
-                raise ValueError("empty prompt")
-            ids = target.chat_ids([{"role": "user", "content": p}])
-            if len(ids) + max_new_tokens > max_ctx:
-                raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new exceeds the context {max_ctx}")
-            encoded.append((i, p, ids))
-        except ValueError as e:
-            errors.append({"id": i, "error": str(e)})
+    encoded = _encode(target, todo, max_new_tokens, errors)
     encoded.sort(key=lambda x: len(x[2]))  # similar lengths batch together (less padding)
     bar = tqdm(total=len(todo), desc="regen", disable=not progress)
     bar.update(len(errors))
     for b in range(0, len(encoded), batch_size):
-        chunk = encoded[b: b + batch_size]
+        chunk = encoded[b : b + batch_size]
         try:
             res = _generate_batch(target, [c[2] for c in chunk], max_new_tokens, temperature, seed + b)
         except (RuntimeError, ValueError) as e:  # e.g. out of memory: record, carry on
@@ -135,8 +159,17 @@ def regenerate_dataset(target: Target, items: list[tuple[str, str]], out: str | 
             bar.update(len(chunk))
             continue
         for (i, p, ids), (resp, reason) in zip(chunk, res):
-            rows.append({"id": i, "prompt": p, "thinking": thinking, "prompt_ids": ids, "response_ids": resp,
-                         "response_text": target.decode(resp), "finish_reason": reason})
+            rows.append(
+                {
+                    "id": i,
+                    "prompt": p,
+                    "thinking": thinking,
+                    "prompt_ids": ids,
+                    "response_ids": resp,
+                    "response_text": target.decode(resp),
+                    "finish_reason": reason,
+                }
+            )
         if len(rows) >= part_size:
             flush()
         bar.update(len(chunk))
@@ -149,11 +182,40 @@ def regenerate_dataset(target: Target, items: list[tuple[str, str]], out: str | 
         with open(out / "errors.jsonl", "a") as f:
             for e in errors:
                 f.write(json.dumps(e) + "\n")
-    manifest = {**report.__dict__, "target": target.name, "dtype": str(target.dtype).replace("torch.", ""),
-                "max_new_tokens": max_new_tokens, "temperature": temperature, "thinking": thinking,
-                "answered_total": len(done) + report.ok}
+    manifest = {
+        **report.__dict__,
+        "target": target.name,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "thinking": thinking,
+        "answered_total": len(done) + report.ok,
+    }
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return report
+
+
+def regenerate_prompts(
+    target: Target,
+    workload: str,
+    limit: int,
+    out: str | Path,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> RegenReport:
+    """The first `limit` prompts of a workload pool (at most 600 characters each) regenerated into `out`."""
+    from dspine.workloads import load_prompts
+
+    prompts = load_prompts(workload, limit=limit, max_chars=600)
+    return regenerate_dataset(
+        target,
+        [(f"{workload}/{i}", p) for i, p in enumerate(prompts)],
+        out,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        progress=progress,
+    )
 
 
 def load_samples(path: str | Path, min_response: int = 1) -> list[tuple[list[int], int]]:

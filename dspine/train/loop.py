@@ -1,12 +1,7 @@
-"""Drafter training: the losses of DESIGN.md §1 and an online training loop.
+"""The lockstep training loop: several drafters on identical batches, anchors and schedule, checkpoints
+(out/last with optimizer, RNG and data position for an exact resume; out/best by held-out simulated τ),
+time budgets across resumes.
 
-Online: the frozen target runs teacher-forced on each batch to produce the context features; random
-anchors inside the response; every block of every sequence in one drafter forward under a block mask.
-Losses (each variant switches off what it lacks):
-- CE on slots 1..B-1 weighted w_k = exp(-(k-1)/γ);
-- layer-wise cosine between each readout f_t^l and the code T[y_t] (weights w_t), averaged over layers;
-- CE of the redone last write with the true predecessor's code (slots >= 2), so training sees what the
-  transition cache computes at decode time.
 Data parallel under torchrun (`init_distributed`): every process draws the same global batch (same RNG,
 so data order, anchors, resume and warm start are those of one process), trains on its share of the
 sequences and averages gradients; rank 0 evaluates, saves and decides when time is up.
@@ -18,16 +13,18 @@ import json
 import math
 import os
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from dspine.drafter import DSpineDraftModel, block_attention_mask
-from dspine.stats import simulated_tau
+from dspine.config import ConfigError
+from dspine.drafter import DSpineDraftModel
+from dspine.train.losses import Batch, FeatureSource, drafter_losses, evaluate_tau_sims, loss_kw, make_batch
 
 
+@dataclass
 @dataclass
 class TrainConfig:
     steps: int = 200
@@ -49,8 +46,6 @@ class TrainConfig:
     stop_after_s: float = 0.0  # > 0: this invocation stops (saving out/last) after so long; resume continues
 
     def validate(self) -> None:
-        from dspine.config import ConfigError
-
         for k in ("steps", "batch_size", "anchors_per_seq", "max_len"):
             if getattr(self, k) <= 0:
                 raise ConfigError(f"train.{k} must be positive")
@@ -58,35 +53,6 @@ class TrainConfig:
             raise ConfigError("train.time_budget_s and train.stop_after_s must be >= 0 (0 turns them off)")
         if self.lr <= 0 or self.gamma <= 0:
             raise ConfigError("train.lr and train.gamma must be positive")
-
-
-@dataclass
-class Batch:
-    ids: torch.Tensor  # (Bs, S) token ids, right-padded
-    label_mask: torch.Tensor  # (Bs, S) bool: positions that are response tokens
-    anchors: torch.Tensor  # (Bs, nb) anchor positions
-
-
-def make_batch(samples: list[tuple[list[int], int]], anchors_per_seq: int, block_size: int, max_len: int,
-               rng: random.Random, device="cpu") -> Batch:
-    """samples: (token ids, index of the first response token). Anchors are drawn from positions whose
-    next token is a response token (the last prompt token included)."""
-    seqs = [(ids[:max_len], start) for ids, start in samples]
-    S = max(len(s) for s, _ in seqs)
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    lab = torch.zeros(len(seqs), S, dtype=torch.bool)
-    anchors = torch.zeros(len(seqs), anchors_per_seq, dtype=torch.long)
-    for i, (s, start) in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, start: len(s)] = True
-        lo, hi = max(0, start - 1), len(s) - 2
-        if hi < lo:
-            raise ValueError(f"sample {i} has no response tokens to train on")
-        choices = list(range(lo, hi + 1))
-        pick = rng.sample(choices, anchors_per_seq) if len(choices) >= anchors_per_seq else \
-            [rng.choice(choices) for _ in range(anchors_per_seq)]
-        anchors[i] = torch.tensor(sorted(pick))
-    return Batch(ids.to(device), lab.to(device), anchors.to(device))
 
 
 def init_distributed(device: str) -> tuple[int, int]:
@@ -126,7 +92,7 @@ def _average_grads(params: list[torch.Tensor], world: int) -> None:
     flat /= world
     off = 0
     for g in grads:
-        g.copy_(flat[off: off + g.numel()].view_as(g))
+        g.copy_(flat[off : off + g.numel()].view_as(g))
         off += g.numel()
 
 
@@ -138,79 +104,6 @@ def _from_rank0(x: float, device) -> float:
     return float(t.item())
 
 
-def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)  # (B-1,)
-
-
-def drafter_losses(drafter: DSpineDraftModel, feats: torch.Tensor, batch: Batch, gamma: float = 7.0,
-                   cos_weight: float = 0.5, redo_weight: float = 1.0) -> dict:
-    """feats (Bs, S, m*d) target features of batch.ids -> {"loss", "ce", "cos", "redo", "tau_sim", ...}."""
-    cfg = drafter.config
-    B = cfg.block_size
-    ids, anchors = batch.ids, batch.anchors
-    Bs, S = ids.shape
-    nb = anchors.shape[1]
-    dev = ids.device
-    pos = anchors[..., None] + torch.arange(B, device=dev)  # (Bs, nb, B)
-    lab_pos = pos[..., 1:].clamp(max=S - 1)
-    y = ids.gather(1, lab_pos.reshape(Bs, -1)).reshape(Bs, nb, B - 1)
-    valid = batch.label_mask.gather(1, lab_pos.reshape(Bs, -1)).reshape(Bs, nb, B - 1) & (pos[..., 1:] < S)
-    w = slot_weights(B, gamma, dev) * valid  # (Bs, nb, B-1)
-    wsum = w.sum().clamp_min(1e-6)
-
-    ctx_kv = drafter.context_kv(feats, torch.arange(S, device=dev).expand(Bs, -1))
-    ctx_visible = torch.arange(S, device=dev)[None, None, :] < anchors[..., None]  # (Bs, nb, S)
-    mask = block_attention_mask(ctx_visible, B, cfg.is_causal)
-    out = drafter(drafter.block_inputs(ids.gather(1, anchors), B), pos, ctx_kv, mask)
-    logits = drafter.logits(out.hidden[:, :, 1:])  # (Bs, nb, B-1, V)
-    ce = (F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(w) * w).sum() / wsum
-    total = ce
-    res = {"ce": ce.detach()}
-    pred = logits.argmax(-1)
-
-    if cfg.uses_injection:
-        codes = drafter.transfer_codes
-        tgt_code = codes[y]  # (Bs, nb, B-1, r)
-        cos_terms = [((1 - F.cosine_similarity(f[:, :, 1:].float(), tgt_code.float(), dim=-1)) * w).sum() / wsum
-                     for f in out.feats.values()]
-        cos = torch.stack(cos_terms).mean()
-        res["cos"] = cos.detach()
-        if cos_weight:
-            total = total + cos_weight * cos
-        if B > 2:  # redone last write with the true predecessor's code, slots 2..B-1
-            last = cfg.num_hidden_layers - 1
-            inj = drafter.injections[str(last)]
-            f_last = out.feats[last]
-            h_redo = out.h_pre[:, :, 2:] + inj.delta(f_last[:, :, 2:], tgt_code[:, :, :-1].to(f_last.dtype))
-            redo_logits = drafter.logits(h_redo)  # (Bs, nb, B-2, V)
-            wr = w[:, :, 1:] * valid[:, :, :-1]
-            redo = (F.cross_entropy(redo_logits.flatten(0, 2), y[:, :, 1:].flatten(), reduction="none")
-                    .view_as(wr) * wr).sum() / wr.sum().clamp_min(1e-6)
-            res["redo"] = redo.detach()
-            if redo_weight:
-                total = total + redo_weight * redo
-            # what the walk picks: the best redone score among the slot's top-K unconditioned candidates C_t
-            # (a full-vocabulary argmax would credit tokens the walk can never reach)
-            cand = logits[:, :, 1:].topk(min(cfg.top_k, logits.shape[-1]), dim=-1).indices  # (Bs, nb, B-2, K)
-            walk = cand.gather(-1, redo_logits.gather(-1, cand).argmax(-1, keepdim=True))[..., 0]
-            res["tau_sim_full_vocab"] = _tau_sim(torch.cat([pred[:, :, :1], redo_logits.argmax(-1)], 2), y, valid)[0]
-            pred = torch.cat([pred[:, :, :1], walk], dim=2)
-    tau, acc = _tau_sim(pred, y, valid)
-    res.update(loss=total, tau_sim=tau, slot_acc=acc)
-    return res
-
-
-def _tau_sim(pred: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> tuple[float, list[float]]:
-    """Simulated τ: conditional per-slot accuracy along the label chain (SpecForge's Σ_k Π_{i<=k} acc_i).
-    pred, y, valid (Bs, nb, B-1)."""
-    chain = ((pred == y) & valid).long().cumprod(-1).bool()
-    reach = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=-1) & valid
-    # one device-to-host read for all slots (this runs every training step, twice for transition-cache drafters)
-    acc = (chain.flatten(0, -2).sum(0) / reach.flatten(0, -2).sum(0).clamp_min(1)).tolist()
-    return simulated_tau(acc), acc
-
-
 def lr_at(step: int, cfg: TrainConfig, progress: float | None = None) -> float:
     """Linear warm-up over `warmup_steps`, then cosine to `min_lr_ratio` over the run's progress (step
     fraction, or the larger of step and time fraction under a time budget)."""
@@ -220,84 +113,35 @@ def lr_at(step: int, cfg: TrainConfig, progress: float | None = None) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-class FeatureSource:
-    """One teacher-forced target forward per batch serves drafters that read different target layers."""
-
-    def __init__(self, target, drafters):
-        self.target = target
-        self.layers = sorted({i for d in drafters for i in d.config.target_layer_ids})
-        d = target.info.hidden_size
-        self._cols = {}
-        for dr in drafters:
-            idx = [self.layers.index(i) for i in dr.config.target_layer_ids]
-            self._cols[id(dr)] = None if idx == list(range(len(self.layers))) else \
-                torch.cat([torch.arange(j * d, (j + 1) * d) for j in idx]).to(target.device)
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (N, S) -> (N, S, len(union) * d). TF32 matmuls on CUDA: features, not outputs, are needed."""
-        if self.target.device.type != "cuda":
-            return self.target.features(ids, self.layers)
-        prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high")
-        try:
-            return self.target.features(ids, self.layers)
-        finally:
-            torch.set_float32_matmul_precision(prev)
-
-    def select(self, feats: torch.Tensor, drafter) -> torch.Tensor:
-        cols = self._cols[id(drafter)]
-        return feats if cols is None else feats.index_select(-1, cols)
-
-
-@torch.no_grad()
-def evaluate_tau_sim(drafter, target, samples, cfg: TrainConfig, seed: int = 1234) -> float:
-    return evaluate_tau_sims({"d": drafter}, target, samples, cfg, seed)["d"]
-
-
-@torch.no_grad()
-def evaluate_tau_sims(drafters: dict, target, samples, cfg: TrainConfig, seed: int = 1234,
-                      losses: dict | None = None) -> dict[str, float]:
-    """Held-out simulated τ of each drafter on the same batches and anchors."""
-    rng = random.Random(seed)
-    src = FeatureSource(target, list(drafters.values()))
-    block = {d.config.block_size for d in drafters.values()}
-    if len(block) != 1:
-        raise ValueError("drafters evaluated together must share a block size")
-    taus = dict.fromkeys(drafters, 0.0)
-    n = 0
-    for i in range(0, len(samples), cfg.batch_size):
-        batch = make_batch(samples[i: i + cfg.batch_size], cfg.anchors_per_seq, next(iter(block)), cfg.max_len,
-                           rng, target.device)
-        feats = src(batch.ids)
-        for name, d in drafters.items():
-            res = drafter_losses(d, src.select(feats, d), batch, **loss_kw(cfg, (losses or {}).get(name)))
-            taus[name] += res["tau_sim"] * len(batch.ids)
-        n += len(batch.ids)
-    return {k: v / max(1, n) for k, v in taus.items()}
-
-
-LOSS_KEYS = ("gamma", "cos_weight", "redo_weight")
-
-
-def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:
-    kw = {k: getattr(cfg, k) for k in LOSS_KEYS}
-    bad = set(override or {}) - set(LOSS_KEYS)
-    if bad:
-        from dspine.config import ConfigError
-
-        raise ConfigError(f"unknown loss override(s) {sorted(bad)}; known: {list(LOSS_KEYS)}")
-    return {**kw, **(override or {})}
-
-
-def _save_state(out: Path, drafter, opt, step: int, order: list[int], rng: random.Random, best: float,
-                history: list[dict], extra: dict, elapsed_s: float = 0.0) -> None:
+def _save_state(
+    out: Path,
+    drafter,
+    opt,
+    step: int,
+    order: list[int],
+    rng: random.Random,
+    best: float,
+    history: list[dict],
+    extra: dict,
+    elapsed_s: float = 0.0,
+) -> None:
     """out/last: the drafter checkpoint + optimizer / RNG / data position, all safetensors + JSON."""
     from safetensors.torch import save_file
 
     from dspine.checkpoint import save_drafter
 
-    tensors, meta = {}, {"step": step, "order": order, "best": best, "history": history,
-                         "py_rng": _jsonable(rng.getstate()), "param_groups": [], "elapsed_s": elapsed_s}
+    tensors, meta = (
+        {},
+        {
+            "step": step,
+            "order": order,
+            "best": best,
+            "history": history,
+            "py_rng": _jsonable(rng.getstate()),
+            "param_groups": [],
+            "elapsed_s": elapsed_s,
+        },
+    )
     for gi, g in enumerate(opt.param_groups):
         meta["param_groups"].append({k: v for k, v in g.items() if k != "params"})
         for pi, p in enumerate(g["params"]):
@@ -346,19 +190,46 @@ def _load_state(ckpt: Path, drafter, opt, rng: random.Random):
     return meta["step"], meta["order"], meta["best"], meta["history"], meta.get("elapsed_s", 0.0)
 
 
-def train_drafter(drafter: DSpineDraftModel, target, samples: list[tuple[list[int], int]], cfg: TrainConfig,
-                  eval_samples=None, progress: bool = True, log=None, out: str | Path | None = None,
-                  resume: bool = False, extra: dict | None = None) -> list[dict]:
+def train_drafter(
+    drafter: DSpineDraftModel,
+    target,
+    samples: list[tuple[list[int], int]],
+    cfg: TrainConfig,
+    eval_samples=None,
+    progress: bool = True,
+    log=None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    extra: dict | None = None,
+) -> list[dict]:
     """Train one drafter in place; with `out`, checkpoints go to out/last and out/best (see train_drafters)."""
-    return train_drafters({drafter.config.method: drafter}, target, samples, cfg, eval_samples, progress,
-                          log, None if out is None else {drafter.config.method: out}, resume, extra)[
-        drafter.config.method]
+    return train_drafters(
+        {drafter.config.method: drafter},
+        target,
+        samples,
+        cfg,
+        eval_samples,
+        progress,
+        log,
+        None if out is None else {drafter.config.method: out},
+        resume,
+        extra,
+    )[drafter.config.method]
 
 
-def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[tuple[list[int], int]],
-                   cfg: TrainConfig, eval_samples=None, progress: bool = True, log=None,
-                   outs: dict[str, str | Path] | None = None, resume: bool = False, extra: dict | None = None,
-                   losses: dict[str, dict] | None = None) -> dict[str, list[dict]]:
+def train_drafters(
+    drafters: dict[str, DSpineDraftModel],
+    target,
+    samples: list[tuple[list[int], int]],
+    cfg: TrainConfig,
+    eval_samples=None,
+    progress: bool = True,
+    log=None,
+    outs: dict[str, str | Path] | None = None,
+    resume: bool = False,
+    extra: dict | None = None,
+    losses: dict[str, dict] | None = None,
+) -> dict[str, list[dict]]:
     """Train several drafters in lockstep on target-generated samples: identical batches, anchors and
     schedule; one target forward per batch serves them all. Returns each drafter's per-step log.
 
@@ -369,119 +240,210 @@ def train_drafters(drafters: dict[str, DSpineDraftModel], target, samples: list[
     schedule then follows time. `cfg.stop_after_s` pauses this invocation (saving out/last) so that a run
     longer than one command can continue with `resume=True`.
     """
-    import time
-
-    from tqdm.auto import tqdm
-
-    from dspine.checkpoint import save_drafter
-
-    cfg.validate()
-    rank, world = _world()
-    if cfg.batch_size % world:
-        raise ValueError(f"train.batch_size {cfg.batch_size} is not a multiple of the {world} processes")
-    names = list(drafters)
-    kws = {n: loss_kw(cfg, (losses or {}).get(n)) for n in names}
-    rng = random.Random(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    params, opts = {}, {}
-    for n, d in drafters.items():
-        d.bind(target).train()
-        params[n] = [p for p in d.parameters() if p.requires_grad]
-        if world > 1:  # every process starts from rank 0's weights
-            import torch.distributed as dist
-
-            for p in d.state_dict().values():
-                dist.broadcast(p, 0)
-        opts[n] = torch.optim.AdamW(params[n], lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    src = FeatureSource(target, list(drafters.values()))
-    block = {d.config.block_size for d in drafters.values()}
-    if len(block) != 1:
-        raise ValueError("drafters trained in lockstep must share a block size")
-    block_size = block.pop()
-    history = {n: [] for n in names}
-    best = dict.fromkeys(names, float("-inf"))
-    order: list[int] = []
-    start, spent = 0, 0.0  # spent: training time of earlier invocations (time budgets are cumulative)
-    outs = {n: Path(o) for n, o in outs.items()} if outs else None
+    trainer = Trainer(drafters, target, samples, cfg, eval_samples, outs, extra, losses)
     if resume:
-        if outs is None:
+        trainer.resume()
+    return trainer.run(progress, log)
+
+
+@dataclass
+class Clock:
+    """Where one step stands in time: elapsed across invocations, schedule progress, stop or pause."""
+
+    elapsed: float
+    progress: float | None  # None: the cosine follows steps
+    out_of_time: bool
+    pause: bool
+
+
+class Trainer:
+    """The parts of a lockstep run: setup, resume, the clock, one step, evaluate-and-keep-best, save."""
+
+    def __init__(
+        self,
+        drafters: dict[str, DSpineDraftModel],
+        target,
+        samples,
+        cfg: TrainConfig,
+        eval_samples=None,
+        outs: dict[str, str | Path] | None = None,
+        extra: dict | None = None,
+        losses: dict[str, dict] | None = None,
+    ):
+        cfg.validate()
+        self.rank, self.world = _world()
+        if cfg.batch_size % self.world:
+            raise ValueError(f"train.batch_size {cfg.batch_size} is not a multiple of the {self.world} processes")
+        block = {d.config.block_size for d in drafters.values()}
+        if len(block) != 1:
+            raise ValueError("drafters trained in lockstep must share a block size")
+        self.block_size = block.pop()
+        self.drafters, self.target, self.samples, self.cfg = drafters, target, samples, cfg
+        self.eval_samples, self.losses = eval_samples, losses
+        self.names = list(drafters)
+        self.kws = {n: loss_kw(cfg, (losses or {}).get(n)) for n in self.names}
+        self.rng = random.Random(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.params, self.opts = {}, {}
+        for n, d in drafters.items():
+            d.bind(target).train()
+            self.params[n] = [p for p in d.parameters() if p.requires_grad]
+            if self.world > 1:  # every process starts from rank 0's weights
+                import torch.distributed as dist
+
+                for p in d.state_dict().values():
+                    dist.broadcast(p, 0)
+            self.opts[n] = torch.optim.AdamW(
+                self.params[n], lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+            )
+        self.src = FeatureSource(target, list(drafters.values()))
+        self.history: dict[str, list[dict]] = {n: [] for n in self.names}
+        self.best = dict.fromkeys(self.names, float("-inf"))
+        self.order: list[int] = []
+        self.start, self.spent = 0, 0.0  # spent: training time of earlier invocations (budgets are cumulative)
+        self.outs = {n: Path(o) for n, o in outs.items()} if outs else None
+        self.extra = {**(extra or {}), "train": asdict(cfg)}
+        self.amp = dict(device_type="cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda")
+
+    def resume(self) -> None:
+        """Continue every drafter from outs[name]/last: weights, optimizer, RNG, data position, history."""
+        if self.outs is None:
             raise ValueError("resume needs an output folder")
         starts = set()
-        for n in names:
-            st, order, best[n], history[n], spent = _load_state(outs[n] / "last", drafters[n], opts[n], rng)
+        for n in self.names:
+            st, self.order, self.best[n], self.history[n], self.spent = _load_state(
+                self.outs[n] / "last", self.drafters[n], self.opts[n], self.rng
+            )
             starts.add(st)
         if len(starts) != 1:
             raise ValueError(f"drafters were saved at different steps {sorted(starts)}; cannot resume in lockstep")
-        start = starts.pop()
-    extra = {**(extra or {}), "train": asdict(cfg)}
-    label = names[0] if len(names) == 1 else f"{len(names)} drafters"
-    bar = tqdm(range(start, cfg.steps), desc=f"train {label}", disable=not progress or rank > 0, initial=start,
-               total=cfg.steps)
-    t_start = time.perf_counter()
-    amp = dict(device_type="cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda")
-    for step in bar:
-        if len(order) < cfg.batch_size:
-            more = list(range(len(samples)))
-            rng.shuffle(more)
-            order += more
-        idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
-        batch = make_batch([samples[i] for i in idx], cfg.anchors_per_seq, block_size, cfg.max_len, rng,
-                           target.device)
-        if world > 1:  # this process's share of the global batch
-            batch = Batch(batch.ids[rank::world], batch.label_mask[rank::world], batch.anchors[rank::world])
-        feats = src(batch.ids)
-        this_call = time.perf_counter() - t_start
-        if world > 1 and (cfg.time_budget_s or cfg.stop_after_s):  # one clock, so all stop at the same step
-            this_call = _from_rank0(this_call, target.device)
-        elapsed = spent + this_call
-        frac = None
+        self.start = starts.pop()
+
+    def next_batch(self) -> Batch:
+        cfg = self.cfg
+        if len(self.order) < cfg.batch_size:
+            more = list(range(len(self.samples)))
+            self.rng.shuffle(more)
+            self.order += more
+        idx, self.order = self.order[: cfg.batch_size], self.order[cfg.batch_size :]
+        batch = make_batch(
+            [self.samples[i] for i in idx],
+            cfg.anchors_per_seq,
+            self.block_size,
+            cfg.max_len,
+            self.rng,
+            self.target.device,
+        )
+        if self.world > 1:  # this process's share of the global batch
+            r, w = self.rank, self.world
+            batch = Batch(batch.ids[r::w], batch.label_mask[r::w], batch.anchors[r::w])
+        return batch
+
+    def clock(self, step: int, this_call: float) -> Clock:
+        cfg = self.cfg
+        if self.world > 1 and (cfg.time_budget_s or cfg.stop_after_s):  # one clock: all stop at the same step
+            this_call = _from_rank0(this_call, self.target.device)
+        elapsed = self.spent + this_call
+        progress = None
         if cfg.time_budget_s:
-            frac = max((step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps),
-                       elapsed / cfg.time_budget_s)
+            progress = max(
+                (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), elapsed / cfg.time_budget_s
+            )
         out_of_time = bool(cfg.time_budget_s) and elapsed >= cfg.time_budget_s
         pause = bool(cfg.stop_after_s) and this_call >= cfg.stop_after_s and not out_of_time
-        last = step + 1 == cfg.steps or out_of_time
-        do_eval = eval_samples and ((step + 1) % cfg.eval_every == 0 or last or pause)
-        for n, d in drafters.items():
-            with torch.autocast(**amp):
-                res = drafter_losses(d, src.select(feats, d), batch, **kws[n])
-            for g in opts[n].param_groups:
-                g["lr"] = lr_at(step, cfg, frac)
-            opts[n].zero_grad(set_to_none=True)
+        return Clock(elapsed, progress, out_of_time, pause)
+
+    def step(self, step: int, batch: Batch, feats: torch.Tensor, clock: Clock, log=None) -> None:
+        """One optimizer step of every drafter on the same batch and target features (N, S, m*d)."""
+        for n, d in self.drafters.items():
+            with torch.autocast(**self.amp):
+                res = drafter_losses(d, self.src.select(feats, d), batch, **self.kws[n])
+            opt = self.opts[n]
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, self.cfg, clock.progress)
+            opt.zero_grad(set_to_none=True)
             res["loss"].backward()
-            if world > 1:
-                _average_grads(params[n], world)
-            gnorm = torch.nn.utils.clip_grad_norm_(params[n], cfg.grad_clip)
-            opts[n].step()
-            row = {"step": step + 1, "loss": res["loss"].item(), "ce": res["ce"].item(),
-                   "tau_sim": res["tau_sim"], "grad_norm": float(gnorm), "lr": opts[n].param_groups[0]["lr"],
-                   "elapsed_s": round(elapsed, 3)}
+            if self.world > 1:
+                _average_grads(self.params[n], self.world)
+            gnorm = torch.nn.utils.clip_grad_norm_(self.params[n], self.cfg.grad_clip)
+            opt.step()
+            row = {
+                "step": step + 1,
+                "loss": res["loss"].item(),
+                "ce": res["ce"].item(),
+                "tau_sim": res["tau_sim"],
+                "grad_norm": float(gnorm),
+                "lr": opt.param_groups[0]["lr"],
+                "elapsed_s": round(clock.elapsed, 3),
+            }
             for k in ("cos", "redo"):
                 if k in res:
                     row[k] = res[k].item()
             if "tau_sim_full_vocab" in res:  # the walk restricted to top-K vs an unrestricted pick: the gap
                 row["tau_sim_full_vocab"] = res["tau_sim_full_vocab"]
-            history[n].append(row)
+            self.history[n].append(row)
             if log is not None:
-                log({"drafter": n, **row} if len(names) > 1 else row)
-        if do_eval and rank == 0:
-            for d in drafters.values():
-                d.eval()
-            taus = evaluate_tau_sims(drafters, target, eval_samples, cfg, losses=losses)
-            for n, d in drafters.items():
-                d.train()
-                history[n][-1]["eval_tau_sim"] = taus[n]
-                if outs is not None and taus[n] > best[n]:
-                    best[n] = taus[n]
-                    save_drafter(d, outs[n] / "best", extra={**extra, "step": step + 1, "eval_tau_sim": best[n]})
-        bar.set_postfix(loss=f"{history[names[0]][-1]['loss']:.3f}", tau=f"{history[names[0]][-1]['tau_sim']:.2f}")
-        save = last or pause or (cfg.save_every and (step + 1) % cfg.save_every == 0)
-        if outs is not None and rank == 0 and save:
-            for n, d in drafters.items():
-                _save_state(outs[n], d, opts[n], step + 1, order, rng, best[n], history[n], extra,
-                            spent + time.perf_counter() - t_start)
-        if out_of_time or pause:
-            break
-    for d in drafters.values():
-        d.eval()
-    return history
+                log({"drafter": n, **row} if len(self.names) > 1 else row)
+
+    def evaluate(self, step: int) -> None:
+        """Held-out simulated τ of every drafter (rank 0); a new best is saved to outs[name]/best."""
+        from dspine.checkpoint import save_drafter
+
+        for d in self.drafters.values():
+            d.eval()
+        taus = evaluate_tau_sims(self.drafters, self.target, self.eval_samples, self.cfg, losses=self.losses)
+        for n, d in self.drafters.items():
+            d.train()
+            self.history[n][-1]["eval_tau_sim"] = taus[n]
+            if self.outs is not None and taus[n] > self.best[n]:
+                self.best[n] = taus[n]
+                save_drafter(d, self.outs[n] / "best", extra={**self.extra, "step": step + 1, "eval_tau_sim": taus[n]})
+
+    def save(self, step: int, elapsed: float) -> None:
+        for n, d in self.drafters.items():
+            _save_state(
+                self.outs[n],
+                d,
+                self.opts[n],
+                step + 1,
+                self.order,
+                self.rng,
+                self.best[n],
+                self.history[n],
+                self.extra,
+                elapsed,
+            )
+
+    def run(self, progress: bool = True, log=None) -> dict[str, list[dict]]:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        label = self.names[0] if len(self.names) == 1 else f"{len(self.names)} drafters"
+        bar = tqdm(
+            range(self.start, cfg.steps),
+            desc=f"train {label}",
+            disable=not progress or self.rank > 0,
+            initial=self.start,
+            total=cfg.steps,
+        )
+        t_start = time.perf_counter()
+        first = self.names[0]
+        for step in bar:
+            batch = self.next_batch()
+            feats = self.src(batch.ids)
+            clock = self.clock(step, time.perf_counter() - t_start)
+            last = step + 1 == cfg.steps or clock.out_of_time
+            self.step(step, batch, feats, clock, log)
+            if self.eval_samples and self.rank == 0 and ((step + 1) % cfg.eval_every == 0 or last or clock.pause):
+                self.evaluate(step)
+            bar.set_postfix(
+                loss=f"{self.history[first][-1]['loss']:.3f}", tau=f"{self.history[first][-1]['tau_sim']:.2f}"
+            )
+            save = last or clock.pause or (cfg.save_every and (step + 1) % cfg.save_every == 0)
+            if self.outs is not None and self.rank == 0 and save:
+                self.save(step, self.spent + time.perf_counter() - t_start)
+            if clock.out_of_time or clock.pause:
+                break
+        for d in self.drafters.values():
+            d.eval()
+        return self.history

@@ -19,28 +19,24 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from dspine.workloads import BENCHMARKS, load_prompts
-
-from dspine.drafter import DSpineConfig, DSpineDraftModel
 from dspine.checkpoint import load_at
+from dspine.drafter import DSpineConfig
 from dspine.eval.acceptance import evaluate, write_results
 from dspine.io import atomic_write_text
-from dspine.train.data import load_samples, regenerate_dataset
 from dspine.target import load_target
-from dspine.train.loop import TrainConfig, evaluate_tau_sims, init_distributed, loss_kw, train_drafters
+from dspine.train.data import load_samples, regenerate_dataset
+from dspine.train.loop import TrainConfig, init_distributed
+from dspine.train.losses import loss_kw
+from dspine.train.run import DrafterSpec, run
+from dspine.workloads import BENCHMARKS, load_prompts
 
 METHODS = ("dflash", "post_backbone", "dspine")
 
 
-@dataclass
-class Ablation:
-    method: str = "dspine"
-    drafter: dict[str, Any] = field(default_factory=dict)  # DSpineConfig overrides, e.g. transfer_rank
-    loss: dict[str, float] = field(default_factory=dict)  # gamma / cos_weight / redo_weight
+Ablation = DrafterSpec  # a named variant of the recipe: method + drafter-config and loss overrides
 
 
 @dataclass
@@ -56,12 +52,24 @@ class RecipeConfig:
     layers: int = 5
     block_size: int = 16
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    ablations: dict[str, Ablation] = field(default_factory=lambda: {
-        "dspine_r64": Ablation(drafter={"transfer_rank": 64, "message_size": 64}),
-        "dspine_nocos": Ablation(loss={"cos_weight": 0.0})})
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        steps=100_000, time_budget_s=420, batch_size=16, anchors_per_seq=64, max_len=768, lr=1e-3,
-        warmup_steps=100, eval_every=250))
+    ablations: dict[str, Ablation] = field(
+        default_factory=lambda: {
+            "dspine_r64": Ablation(drafter={"transfer_rank": 64, "message_size": 64}),
+            "dspine_nocos": Ablation(loss={"cos_weight": 0.0}),
+        }
+    )
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            steps=100_000,
+            time_budget_s=420,
+            batch_size=16,
+            anchors_per_seq=64,
+            max_len=768,
+            lr=1e-3,
+            warmup_steps=100,
+            eval_every=250,
+        )
+    )
     eval_benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS))
     eval_limit: int = 10
     eval_max_new_tokens: int = 96
@@ -92,13 +100,33 @@ class RecipeConfig:
         return {**{m: Ablation(method=m) for m in self.methods}, **self.ablations}
 
     @classmethod
-    def cpu_tiny(cls) -> "RecipeConfig":
-        return cls(device="cpu", workload="sharegpt", num_prompts=40, max_new_tokens=32, regen_batch=20, heldout=8,
-                   layers=1, block_size=8, ablations={"dspine_nocos": Ablation(loss={"cos_weight": 0.0})},
-                   train=TrainConfig(steps=40, batch_size=4, anchors_per_seq=8, max_len=256, lr=3e-3, warmup_steps=5,
-                                     gamma=3.5, eval_every=20),
-                   eval_benchmarks=["gsm8k", "mt_bench"], eval_limit=1, eval_max_new_tokens=16,
-                   eval_temperatures=[0.0], eval_workers=1)
+    def cpu_tiny(cls) -> RecipeConfig:
+        return cls(
+            device="cpu",
+            workload="sharegpt",
+            num_prompts=40,
+            max_new_tokens=32,
+            regen_batch=20,
+            heldout=8,
+            layers=1,
+            block_size=8,
+            ablations={"dspine_nocos": Ablation(loss={"cos_weight": 0.0})},
+            train=TrainConfig(
+                steps=40,
+                batch_size=4,
+                anchors_per_seq=8,
+                max_len=256,
+                lr=3e-3,
+                warmup_steps=5,
+                gamma=3.5,
+                eval_every=20,
+            ),
+            eval_benchmarks=["gsm8k", "mt_bench"],
+            eval_limit=1,
+            eval_max_new_tokens=16,
+            eval_temperatures=[0.0],
+            eval_workers=1,
+        )
 
 
 def run_regen_stage(cfg: RecipeConfig, work: str | Path, target=None, progress: bool = True) -> dict:
@@ -109,73 +137,66 @@ def run_regen_stage(cfg: RecipeConfig, work: str | Path, target=None, progress: 
     load_s = time.time() - t0  # ~0 when the caller loaded the target (run_train_stage reports its own)
     prompts = load_prompts(cfg.workload, limit=cfg.num_prompts, max_chars=2000)
     t0 = time.time()
-    rep = regenerate_dataset(target, [(f"{cfg.workload}/{i}", p) for i, p in enumerate(prompts)], work / "data",
-                             max_new_tokens=cfg.max_new_tokens, batch_size=cfg.regen_batch, progress=progress)
+    rep = regenerate_dataset(
+        target,
+        [(f"{cfg.workload}/{i}", p) for i, p in enumerate(prompts)],
+        work / "data",
+        max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.regen_batch,
+        progress=progress,
+    )
     return {"regen": asdict(rep), "load_s": load_s, "regen_s": time.time() - t0}
 
 
-def split_samples(cfg: RecipeConfig, work: Path) -> tuple[list, list]:
-    """(train, held-out): a seeded shuffle, so the held-out set spans every pool and prompt length."""
-    import random
-
-    pairs = [p for p in load_samples(work / "data") if p[1] < cfg.train.max_len - 16]
-    random.Random(cfg.train.seed).shuffle(pairs)
-    return pairs[cfg.heldout:], pairs[: cfg.heldout]
-
-
 def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, resume: bool = False) -> dict:
-    """Regen (a no-op when done), then all drafters in lockstep. `resume` continues every drafter from
-    work/<name>/last (a run paused by train.stop_after_s, or extended with more steps / time).
-    Under torchrun the training is data parallel (dspine.train); rank 0 loads the target first (so only it
+    """Regen (a no-op when done), then all drafters in lockstep (train.run). `resume` continues every drafter
+    from work/<name>/last (a run paused by train.stop_after_s, or extended with more steps / time).
+    Under torchrun the training is data parallel (dspine.train.loop); rank 0 loads the target first (so only it
     converts a GGUF), regenerates, evaluates and writes the report; the other ranks return {}."""
     work = Path(work)
-    dtype = getattr(torch, cfg.dtype)
     rank, world = init_distributed(cfg.device)
     t0 = time.time()
     if rank > 0:
         _barrier()
-    target = load_target(cfg.target, dtype=dtype, device=cfg.device)
+    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     load_s = time.time() - t0
     previous = json.loads((work / "train_report.json").read_text()) if resume else {}
     out = {**run_regen_stage(cfg, work, target, progress), "load_s": load_s} if rank == 0 else {}
     if rank == 0 and world > 1:
         _barrier()
-    train_pairs, eval_pairs = split_samples(cfg, work)
-    out.update(samples=len(train_pairs), heldout=len(eval_pairs), methods={})
     variants = cfg.variants()
-    drafters = {n: DSpineDraftModel.for_target(target, method=v.method, **{"num_hidden_layers": cfg.layers,
-                                                                            "block_size": cfg.block_size, **v.drafter},
-                                               seed=cfg.train.seed).to(device=cfg.device, dtype=dtype).bind(target)
-                for n, v in variants.items()}
-    losses = {n: v.loss for n, v in variants.items()}
-    if resume:
-        before = {n: previous["methods"][n]["tau_sim_before"] for n in drafters}
-    elif rank == 0:
-        before = evaluate_tau_sims(drafters, target, eval_pairs, cfg.train, losses=losses)
-    else:
-        before = {}  # rank 0 reports
-    t0 = time.time()
-    hist = train_drafters(drafters, target, train_pairs, cfg.train, eval_samples=eval_pairs, progress=progress,
-                          outs={n: work / n for n in drafters}, losses=losses, extra={"recipe": True},
-                          resume=resume)
-    if cfg.device == "cuda":
-        torch.cuda.synchronize()
-    secs = time.time() - t0
+    before = {n: previous["methods"][n]["tau_sim_before"] for n in variants} if resume else None
+    rep = run(
+        target,
+        load_samples(work / "data"),
+        variants,
+        {n: work / n for n in variants},
+        cfg.train,
+        layers=cfg.layers,
+        block_size=cfg.block_size,
+        heldout=cfg.heldout,
+        resume=resume,
+        before=before,
+        rank=rank,
+        progress=progress,
+        extra={"recipe": True},
+    )
     if rank > 0:
         return {}
-    for n, h in hist.items():
-        evals = [(r["step"], r["eval_tau_sim"]) for r in h if "eval_tau_sim" in r]
-        out["methods"][n] = {**asdict(variants[n]), "tau_sim_before": before[n], "tau_sim_after": evals[-1][1],
-                             "best_tau_sim": max(t for _, t in evals), "eval_curve": evals,
-                             "loss_first": h[0]["loss"], "loss_last": h[-1]["loss"]}
-    steps = len(next(iter(hist.values())))
+    steps = rep["steps"]
     ran = steps - (previous.get("train", {}).get("steps", 0) if resume else 0)
-    out["train"] = {"steps": steps, "seconds": secs, "s_per_step": secs / max(1, ran), "drafters": len(drafters),
-                    "processes": world,
-                    "elapsed_total_s": next(iter(hist.values()))[-1]["elapsed_s"], "invocations":
-                    previous.get("train", {}).get("invocations", 0) + 1 if resume else 1,
-                    "sequences": steps * cfg.train.batch_size,
-                    "blocks_per_drafter": steps * cfg.train.batch_size * cfg.train.anchors_per_seq}
+    out.update(samples=rep["samples"], heldout=rep["heldout"], methods=rep["methods"])
+    out["train"] = {
+        "steps": steps,
+        "seconds": rep["seconds"],
+        "s_per_step": rep["seconds"] / max(1, ran),
+        "drafters": len(variants),
+        "processes": world,
+        "elapsed_total_s": rep["elapsed_total_s"],
+        "invocations": previous.get("train", {}).get("invocations", 0) + 1 if resume else 1,
+        "sequences": steps * cfg.train.batch_size,
+        "blocks_per_drafter": steps * cfg.train.batch_size * cfg.train.anchors_per_seq,
+    }
     atomic_write_text(work / "train_report.json", json.dumps(out, indent=1))
     return out
 
@@ -194,9 +215,18 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
     specs: dict = {m: str(work / m / "best") for m in names}
     specs.update({f"dspine_k{k}": (specs["dspine"], {"top_k": k}) for k in cfg.eval_top_k})
     drafters = {m: load_at(p, target, dtype, cfg.device) for m, p in specs.items()}
-    doc = evaluate(target, drafters, cfg.eval_benchmarks, cfg.eval_limit, cfg.eval_temperatures,
-                   cfg.eval_max_new_tokens, progress=progress, workers=cfg.eval_workers,
-                   target_spec=(cfg.target, cfg.dtype, cfg.device), drafter_paths=specs)
+    doc = evaluate(
+        target,
+        drafters,
+        cfg.eval_benchmarks,
+        cfg.eval_limit,
+        cfg.eval_temperatures,
+        cfg.eval_max_new_tokens,
+        progress=progress,
+        workers=cfg.eval_workers,
+        target_spec=(cfg.target, cfg.dtype, cfg.device),
+        drafter_paths=specs,
+    )
     doc["recipe"] = asdict(cfg)
     rep = work / "train_report.json"
     if rep.is_file():
@@ -207,6 +237,13 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
 
 def acceptance_summary(doc: dict) -> dict:
     """The `acceptance` section of bench/results/summary.json."""
-    return {**{k: dict(v) for k, v in doc["means"].items()}, "per_benchmark": {b: {k: {m: r["tau_mean"] for m, r in c.items()} for k, c in by_t.items()}
-                                     for b, by_t in doc["results"].items()},
-            "git_sha": doc["git_sha"], "command": doc["command"], "hardware": doc["hardware"]}
+    return {
+        **{k: dict(v) for k, v in doc["means"].items()},
+        "per_benchmark": {
+            b: {k: {m: r["tau_mean"] for m, r in c.items()} for k, c in by_t.items()}
+            for b, by_t in doc["results"].items()
+        },
+        "git_sha": doc["git_sha"],
+        "command": doc["command"],
+        "hardware": doc["hardware"],
+    }

@@ -38,19 +38,20 @@ import os
 logger = logging.getLogger(__name__)
 
 WORKER = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"
-SGLANG_TARGETS = {"build_sampler": f"{WORKER}._maybe_build_draft_sampler",
-                  "eager_sample": f"{WORKER}._greedy_sample_from_vocab_parallel_head",
-                  # timing only (DSPINE_SGLANG_TIMING): the round, the draft runner's forward, the target verify
-                  "round": f"{WORKER}.forward_batch_generation",
-                  "runner_forward": "sglang.srt.model_executor.model_runner.ModelRunner.forward",
-                  "target_forward": "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"}
+SGLANG_TARGETS = {
+    "build_sampler": f"{WORKER}._maybe_build_draft_sampler",
+    "eager_sample": f"{WORKER}._greedy_sample_from_vocab_parallel_head",
+    # timing only (DSPINE_SGLANG_TIMING): the round, the draft runner's forward, the target verify
+    "round": f"{WORKER}.forward_batch_generation",
+    "runner_forward": "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+    "target_forward": "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
+}
 
 
 def _is_dspine(worker) -> bool:
     """A DSpine drafter on a worker without the candidate-selector contract (0.5.17): the hooks propose.
     With the contract (>= 0.5.23, `worker.selector`) SGLang walks DSpine's lattice itself."""
-    return (hasattr(getattr(worker, "draft_model", None), "dspine_state")
-            and getattr(worker, "selector", None) is None)
+    return hasattr(getattr(worker, "draft_model", None), "dspine_state") and getattr(worker, "selector", None) is None
 
 
 def _build_sampler(original, self, *args, **kwargs):
@@ -62,11 +63,16 @@ def _build_sampler(original, self, *args, **kwargs):
 
     model = self.draft_model
     if int(self.block_size) != int(model.block_size):
-        raise ValueError(f"--speculative-num-draft-tokens {self.block_size} differs from the DSpine drafter's "
-                         f"block_size {model.block_size}: the injection chain is trained for one block size")
+        raise ValueError(
+            f"--speculative-num-draft-tokens {self.block_size} differs from the DSpine drafter's "
+            f"block_size {model.block_size}: the injection chain is trained for one block size"
+        )
     head = self._target_worker.model_runner.model.lm_head.weight
-    logger.info("dspine: transition-cache proposal folded into the draft CUDA graph (top_k %d, layers %s)",
-                model.dspine.top_k, model.inject_layers)
+    logger.info(
+        "dspine: transition-cache proposal folded into the draft CUDA graph (top_k %d, layers %s)",
+        model.dspine.top_k,
+        model.inject_layers,
+    )
     return DSpineDraftSampler(model, head, self.block_size, max(get_exec().graph.cuda_graph_config.decode.bs))
 
 

@@ -37,13 +37,16 @@ def parse_dspine_config(hf_config) -> tuple[PluginConfig, list[int]]:
     raw = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
     section = raw.get("dspine_config")
     if not isinstance(section, dict):
-        raise ConfigError("config.json has no dspine_config section: export the drafter with "
-                          "`dspine export --to sglang`")
+        raise ConfigError(
+            "config.json has no dspine_config section: export the drafter with `dspine export --to sglang`"
+        )
     cfg = from_dict(PluginConfig, section, "dspine_config")
     if cfg.method not in VARIANTS or VARIANTS[cfg.method] == "none":
-        raise ConfigError(f"dspine_config.method {cfg.method!r}: DSpineDraftModel serves "
-                          f"{sorted(k for k, v in VARIANTS.items() if v != 'none')}; a dflash drafter is "
-                          "exported as SGLang's own DFlashDraftModel")
+        raise ConfigError(
+            f"dspine_config.method {cfg.method!r}: DSpineDraftModel serves "
+            f"{sorted(k for k, v in VARIANTS.items() if v != 'none')}; a dflash drafter is "
+            "exported as SGLang's own DFlashDraftModel"
+        )
     n = int(raw["num_hidden_layers"])
     layers = list(range(n)) if VARIANTS[cfg.method] == "all" else [n - 1]
     if min(cfg.transfer_rank, cfg.message_size, cfg.top_k) < 1:
@@ -63,11 +66,13 @@ def split_weights(weights, inject_layers: list[int]):
     want = dspine_weight_names(inject_layers)
     mine, rest = {}, []
     for name, w in weights:
-        key = name[len("model."):] if name.startswith("model.") else name
+        key = name[len("model.") :] if name.startswith("model.") else name
         if key.startswith("injections.") or key == "transfer_codes":
             if key not in want:
-                raise ValueError(f"checkpoint weight {name!r} does not belong to this dspine_config "
-                                 f"(injecting layers {inject_layers})")
+                raise ValueError(
+                    f"checkpoint weight {name!r} does not belong to this dspine_config "
+                    f"(injecting layers {inject_layers})"
+                )
             mine[key] = w
         else:
             rest.append((name, w))
@@ -90,8 +95,16 @@ def inject_flat(inj: Injection, h: torch.Tensor, anchor_code: torch.Tensor, bloc
     return out.reshape(h.shape), f.reshape(h.shape[0], -1)
 
 
-def propose_block(slots: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor, inj: Injection, norm: nn.Module,
-                  head: torch.Tensor, codes: torch.Tensor, top_k: int) -> torch.Tensor:
+def propose_block(
+    slots: torch.Tensor,
+    h_pre: torch.Tensor,
+    f: torch.Tensor,
+    inj: Injection,
+    norm: nn.Module,
+    head: torch.Tensor,
+    codes: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
     """Greedy proposal for one block per row: slots (bs, B-1, d) slots 1..B-1 after the drafter's final norm
     (what SGLang's DFlash takes its argmax of), h_pre (bs, B, d), f (bs, B, r), head (V, d) the target's
     lm_head, codes (V, r) -> tokens (bs, B-1), through dspine's own greedy_transition_walk."""
@@ -113,9 +126,16 @@ def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor) -> torch.
     head = vocab_rows(model, head)
     st = model.dspine_state
     last = str(max(model.inject_layers))
-    return propose_block(slots, st["h_pre"].view(bs, Bm1 + 1, -1), st["f"].view(bs, Bm1 + 1, -1),
-                         model.injections[last], model.norm_for_scores, head, model.transfer_codes,
-                         model.dspine.top_k).reshape(-1)
+    return propose_block(
+        slots,
+        st["h_pre"].view(bs, Bm1 + 1, -1),
+        st["f"].view(bs, Bm1 + 1, -1),
+        model.injections[last],
+        model.norm_for_scores,
+        head,
+        model.transfer_codes,
+        model.dspine.top_k,
+    ).reshape(-1)
 
 
 class DSpineDraftSampler:
@@ -152,8 +172,14 @@ class DSpineSelector:
         self.model, self._sample_path = model, sample_path
         self.top_k = int(model.dspine.top_k)
 
-    def build_lattice(self, *, candidate_ids: torch.Tensor, unary_logits: torch.Tensor,
-                      hidden_states: torch.Tensor, anchor_token_ids: torch.Tensor) -> torch.Tensor:
+    def build_lattice(
+        self,
+        *,
+        candidate_ids: torch.Tensor,
+        unary_logits: torch.Tensor,
+        hidden_states: torch.Tensor,
+        anchor_token_ids: torch.Tensor,
+    ) -> torch.Tensor:
         """candidate_ids / unary_logits (bs, B-1, K) of slots 1..B-1, hidden_states (bs, B-1, d) -> scores
         (bs, B-1, K, K), score[b, e, p, c] for candidate c of slot e+1 after candidate p of slot e: slot 1's row
         is its own logits whatever p (its predecessor, the anchor, is decoded: the injection already used it);
@@ -161,9 +187,16 @@ class DSpineSelector:
         bs, Bm1, K = candidate_ids.shape
         m, st = self.model, self.model.dspine_state
         last = str(max(m.inject_layers))
-        S = scores_table(m.injections[last], m.norm_for_scores, m.lm_head.weight, m.transfer_codes,
-                         st["h_pre"].view(bs, Bm1 + 1, -1), st["f"].view(bs, Bm1 + 1, -1), candidate_ids,
-                         kernels.enabled(hidden_states))
+        S = scores_table(
+            m.injections[last],
+            m.norm_for_scores,
+            m.lm_head.weight,
+            m.transfer_codes,
+            st["h_pre"].view(bs, Bm1 + 1, -1),
+            st["f"].view(bs, Bm1 + 1, -1),
+            candidate_ids,
+            kernels.enabled(hidden_states),
+        )
         first = unary_logits[:, :1, None, :].float().expand(bs, 1, K, K)
         return torch.cat([first, S.float()], dim=1)
 

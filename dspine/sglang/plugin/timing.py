@@ -101,8 +101,15 @@ def split(totals: dict, before: dict | None = None) -> dict:
     the rounds and prefills counted, and their summed GPU time in ms."""
     d = {k: totals[k] - (before or {}).get(k, 0) for k in ("rounds", "extends", *PHASES)}
     n = max(1, d["rounds"])
-    out = {"rounds": d["rounds"], "extends": d["extends"], "round_ms": d["round"] / n, "draft_ms": d["draft"] / n,
-           "verify_ms": d["verify"] / n, "rounds_total_ms": d["round"], "extend_total_ms": d["extend"]}
+    out = {
+        "rounds": d["rounds"],
+        "extends": d["extends"],
+        "round_ms": d["round"] / n,
+        "draft_ms": d["draft"] / n,
+        "verify_ms": d["verify"] / n,
+        "rounds_total_ms": d["round"],
+        "extend_total_ms": d["extend"],
+    }
     out["glue_ms"] = out["round_ms"] - out["draft_ms"] - out["verify_ms"]
     return out
 

@@ -14,15 +14,20 @@ on 0.5.17 the plugin's sampler hook proposes (greedy walk). This import is the v
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.models.dflash import DFlashDraftModel
 from sglang.srt.runtime_context import get_parallel
+from torch import nn
 
 from dspine.drafter import Injection, RMSNorm
-from dspine.sglang.plugin.core import (DSpineSelector, candidates, inject_flat, parse_dspine_config, split_weights,
-                                       vocab_rows)
+from dspine.sglang.plugin.core import (
+    DSpineSelector,
+    candidates,
+    inject_flat,
+    parse_dspine_config,
+    split_weights,
+    vocab_rows,
+)
 
 try:  # SGLang >= 0.5.23
     from sglang.srt.models.dflash import CandidateSelector as _SGLangSelector
@@ -55,8 +60,9 @@ class DSpineDraftModel(DFlashDraftModel):
         return candidates(hidden, vocab_rows(self, self.lm_head.weight), self.candidate_selector.top_k)
 
     @torch.no_grad()
-    def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False,
-                pp_proxy_tensors=None) -> LogitsProcessorOutput:
+    def forward(
+        self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False, pp_proxy_tensors=None
+    ) -> LogitsProcessorOutput:
         """input_ids/positions (bs*B,), the block flat; input_embeds (bs*B, d) the target's embedding."""
         if input_embeds is None:
             raise ValueError("DSpineDraftModel requires input_embeds (the target's embedding of the block)")
@@ -82,8 +88,7 @@ class DSpineDraftModel(DFlashDraftModel):
 
     def load_weights(self, weights):
         mine, rest = split_weights(weights, self.inject_layers)
-        own = {**dict(self.injections.named_parameters(prefix="injections")),
-               "transfer_codes": self.transfer_codes}
+        own = {**dict(self.injections.named_parameters(prefix="injections")), "transfer_codes": self.transfer_codes}
         for name, w in mine.items():
             if tuple(w.shape) != tuple(own[name].shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} vs model {tuple(own[name].shape)}")

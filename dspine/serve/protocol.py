@@ -1,0 +1,314 @@
+"""The OpenAI request surface `dspine serve` accepts, as typed models, and tool calling on a plain target.
+
+Requests: chat messages with string content or lists of text parts, assistant messages whose content is null
+and that carry `tool_calls`, `tool` messages with a `tool_call_id`, `tools` and `tool_choice` (none / auto /
+required / a named function); unknown fields are ignored, as OpenAI-compatible servers do, but every known
+field is checked and a wrong one is named in the 400.
+
+Tools reach the target through its chat template when the template has a tools section (`tools=` is passed
+to it); otherwise they go into a system block (`tools_system_block`) in the Hermes/Qwen layout:
+
+    # Tools
+    ...one JSON schema per line between <tools> and </tools>, then how to call:
+    <tool_call>{"name": "<function name>", "arguments": {...}}</tool_call>
+
+and earlier tool calls and results are written back in the same format (an assistant turn holding its
+<tool_call> blocks; a tool result inside <tool_response></tool_response> as a user turn). Generated text is
+parsed back (`parse_tool_calls`): every <tool_call> block holding a JSON object with a name and arguments
+becomes one entry of `tool_calls` (finish_reason "tool_calls"); without blocks, a reply that is a single JSON
+object naming an offered function is one call. Anything malformed stays plain content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+EFFORTS = ("none", "low", "medium", "high", "xhigh")
+
+
+def _not_text(v):
+    """Numbers arrive as JSON numbers: a string or a boolean is refused rather than coerced."""
+    if isinstance(v, (str, bool)):
+        raise ValueError(f"must be a number, got {v!r}")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_not_text)]
+Float = Annotated[float, BeforeValidator(_not_text), Field(allow_inf_nan=False)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str = "{}"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _arguments_as_text(cls, v):
+        if isinstance(v, dict) and isinstance(v.get("arguments"), dict):  # some clients send the object itself
+            v = {**v, "arguments": json.dumps(v["arguments"])}
+        return v
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                f"a {self.role} message needs content (only an assistant message with tool_calls may have none)"
+            )
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class FunctionDef(_Model):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class _Request(_Model):
+    model: str | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[Int, Field(ge=0)] | None = None
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
+    seed: Annotated[int, Field(strict=True)] | None = None
+    stream: Annotated[bool, Field(strict=True)] = False
+    metadata: dict[str, Any] | None = None
+    reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]
+    return_spec_tokens_details: bool = False
+    return_meta_info: bool = False
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self):
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, not among the tools {names}")
+        return self
+
+    def active_tools(self) -> list[Tool]:
+        """The tools the model is offered (none with tool_choice "none")."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
+
+
+class CompletionRequest(_Request):
+    prompt: Annotated[str, Field(min_length=1)]
+
+
+class RequestInvalid(ValueError):
+    """A request that does not fit the models: the message names the field."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
+    if not isinstance(body, dict):
+        raise RequestInvalid("the request body must be a JSON object", None)
+    try:
+        return (ChatRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-after", "function-before"))]
+        field = ".".join(loc) or "body"
+        if err["type"] == "missing" and loc == ["messages"]:
+            msg = "'messages' is required: a non-empty list of {role, content}"
+        elif err["type"] == "missing" and loc == ["prompt"]:
+            msg = "'prompt' is required: a non-empty string"
+        else:
+            msg = f"'{field}': {err['msg']}" + (f" (got {err['input']!r})" if _short(err.get("input")) else "")
+        raise RequestInvalid(msg, loc[0] if loc else None) from None
+
+
+def _short(v) -> bool:
+    return isinstance(v, (int, float, str, bool)) and len(repr(v)) <= 80
+
+
+# ---- tools into the prompt ---------------------------------------------------------------------------------
+def template_has_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+def tools_system_block(tools: list[Tool], tool_choice) -> str:
+    lines = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
+    text = (
+        "# Tools\n\nFunctions you can call, one JSON schema per line:\n<tools>\n"
+        f"{lines}\n</tools>\n\nTo call a function, reply with a <tool_call></tool_call> block holding a JSON "
+        "object with its name and arguments, one block per call:\n<tool_call>\n"
+        '{"name": "<function name>", "arguments": {<arguments as a JSON object>}}\n</tool_call>'
+    )
+    if tool_choice == "required":
+        text += "\n\nCall at least one function."
+    elif isinstance(tool_choice, NamedToolChoice):
+        text += f"\n\nCall the function {tool_choice.function.name}."
+    return text
+
+
+def _call_block(c: ToolCall) -> str:
+    try:
+        args = json.loads(c.function.arguments)
+    except json.JSONDecodeError:
+        args = c.function.arguments
+    return "<tool_call>\n" + json.dumps({"name": c.function.name, "arguments": args}) + "\n</tool_call>"
+
+
+def template_messages(req: ChatRequest, native_tools: bool) -> tuple[list[dict], dict]:
+    """-> (messages for the chat template, extra template kwargs). With `native_tools` the template renders
+    tools, tool calls and tool results itself; otherwise they become text in the documented format."""
+    tools = req.active_tools()
+    if native_tools:
+        msgs = []
+        for m in req.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    {
+                        "type": "function",
+                        "id": c.id,
+                        "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")},
+                    }
+                    for c in m.tool_calls
+                ]
+            if m.tool_call_id:
+                d["tool_call_id"] = m.tool_call_id
+            msgs.append(d)
+        return msgs, ({"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {})
+    msgs = []
+    for m in req.messages:
+        role = "system" if m.role == "developer" else m.role
+        if m.role == "tool":
+            msgs.append({"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"})
+        elif m.tool_calls:
+            blocks = "\n".join(_call_block(c) for c in m.tool_calls)
+            msgs.append({"role": "assistant", "content": (m.text() + "\n" if m.text() else "") + blocks})
+        else:
+            msgs.append({"role": role, "content": m.text()})
+    if tools:
+        block = tools_system_block(tools, req.tool_choice)
+        if msgs[0]["role"] == "system":
+            msgs[0] = {"role": "system", "content": msgs[0]["content"] + "\n\n" + block}
+        else:
+            msgs.insert(0, {"role": "system", "content": block})
+    return msgs, {}
+
+
+# ---- tool calls out of the generated text ------------------------------------------------------------------
+_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+def _one_call(obj, names: set[str] | None) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict) or (names is not None and obj["name"] not in names):
+        return None
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": json.dumps(args)},
+    }
+
+
+def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | None, list[dict]]:
+    """Generated text -> (content, tool_calls). Content is the text outside the <tool_call> blocks (None
+    when empty); with no parsable call the whole text is the content and the list is empty. `names`: the
+    offered functions (a call to any other is not a call)."""
+    blocks = list(_BLOCK.finditer(text))
+    if blocks:
+        calls = []
+        for b in blocks:
+            try:
+                call = _one_call(json.loads(b.group(1).strip()), names)
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        rest = _BLOCK.sub("", text).strip()
+        return rest or None, calls
+    stripped = text.strip()
+    if stripped.startswith("{") and stripped.endswith("}"):
+        try:
+            call = _one_call(json.loads(stripped), names)
+        except json.JSONDecodeError:
+            call = None
+        if call is not None and names is not None:
+            return None, [call]
+    return text, []
+
+
+def streamable_prefix(text: str) -> str:
+    """With tools offered: the part of the text so far that is surely content — everything before a
+    <tool_call> tag (or before a tail that could be the start of one); nothing while the reply could be a
+    bare JSON call."""
+    if text.lstrip().startswith("{"):
+        return ""
+    i = text.find(TOOL_CALL_OPEN)
+    if i >= 0:
+        return text[:i]
+    for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-k:]):
+            return text[:-k]
+    return text

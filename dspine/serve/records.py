@@ -1,0 +1,69 @@
+"""One request record, end to end: what the server keeps for every finished request (served at
+/v1/dspine/requests/{id}), what the proxy callback stores (read back from the server, or built from an SGLang
+response) and what the acceptance store's rows hold. τ, verify rounds and SGLang's fields are computed from
+the per-slot histogram through stats.AcceptanceStats, never stored apart from it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+from dspine.stats import AcceptanceStats
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    model: str
+    workload: str = "default"
+    thinking: str = "none"
+    drafter: str | None = None
+    method: str | None = None
+    stream: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    latency_s: float | None = None
+    ts: float = field(default_factory=time.time)
+    accept_hist: list[int] | None = None  # verify rounds by drafts accepted (0 .. block_size-1)
+    source: str | None = None  # where the acceptance came from: engine, backend_record, response
+    batch_size: int | None = None
+    text: str | None = None
+
+    @property
+    def stats(self) -> AcceptanceStats | None:
+        return AcceptanceStats(len(self.accept_hist), list(self.accept_hist)) if self.accept_hist else None
+
+    @property
+    def tau(self) -> float | None:
+        return self.stats.tau if self.accept_hist else None
+
+    @property
+    def verify_rounds(self) -> int | None:
+        return self.stats.rounds if self.accept_hist else None
+
+    def spec(self) -> dict | None:
+        """SGLang's acceptance fields (meta_info / sglext.spec_tokens_details), None for AR."""
+        return self.stats.sglang_meta() if self.accept_hist else None
+
+    def to_json(self) -> dict:
+        return {
+            **asdict(self),
+            "id": self.request_id,
+            "tau": self.tau,
+            "verify_rounds": self.verify_rounds,
+            "spec": self.spec(),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, **overrides) -> RequestRecord:
+        """A record from `to_json` output (or a store row); derived fields are recomputed, unknown keys dropped.
+        An SGLang `spec` without the histogram's own key is read through its histogram."""
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw.setdefault("request_id", d.get("id"))
+        if kw.get("accept_hist") is None and isinstance(d.get("spec"), dict):
+            kw["accept_hist"] = d["spec"].get("spec_correct_drafts_histogram")
+        kw.update(overrides)
+        return cls(**kw)
