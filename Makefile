@@ -4,7 +4,7 @@ PIP ?= $(PY) -m pip
 STAMP := .cache/installed
 DEMO := runs/demo
 
-.PHONY: install demo test test-all test-gpu clean
+.PHONY: install demo test test-all test-gpu lint format clean
 
 $(STAMP): pyproject.toml
 	# torch first: the CPU wheel on this image's disk (a plain range would pull a multi-GB CUDA build)
@@ -24,8 +24,17 @@ demo: $(STAMP)
 	dspine generate --drafter $(DEMO)/best --max-tokens 96 \
 	    --prompt "Give me three tips for writing clear Python code."
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -m "not gpu and not slow" --durations=15
+
+# ruff (config in pyproject.toml): lint, import order, complexity cap, and the formatter's check
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"

@@ -21,7 +21,7 @@ import torch
 
 from dspine.decoding import transition_scores, walk_greedy
 from dspine.drafter import Injection, RMSNorm
-from dspine.io import atomic_write_text, git_sha, hardware, update_summary
+from dspine.io import atomic_write_text, md_table, provenance, update_summary
 from dspine.kernels.candidates import fused_top_candidates
 from dspine.kernels.injection import fused_injection
 from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy
@@ -119,11 +119,9 @@ def main() -> int:
         "head_topk_graph_ms",
         "head_topk_fused_graph_ms",
     ]
-    print("| dtype | batch | K | " + " | ".join(c[:-3].replace("_", " ") for c in cols) + " |")
-    print("|---|---|---|" + "---|" * len(cols))
-    for x in rows:
-        print(f"| {x['dtype']} | {x['batch']} | {x['top_k']} | " + " | ".join(f"{x[c]:.3f}" for c in cols) + " |")
-    meta = {"git_sha": git_sha(), "hardware": hardware(), "command": " ".join(sys.argv), "torch": torch.__version__}
+    header = ["dtype", "batch", "K", *(c[:-3].replace("_", " ") for c in cols)]
+    print(md_table(header, [[x["dtype"], x["batch"], x["top_k"], *(f"{x[c]:.3f}" for c in cols)] for x in rows]))
+    meta = {**provenance(), "torch": torch.__version__}
     if a.out:
         atomic_write_text(Path(a.out), json.dumps({"rows": rows, **meta}, indent=1))
     one = [x for x in rows if x["dtype"] == "bfloat16" and x["batch"] == 1]

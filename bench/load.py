@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dspine.io import atomic_write_text, git_sha, hardware, update_summary
+from dspine.io import atomic_write_text, md_table, provenance, update_summary
 from dspine.serve.loadtest import run_load
 
 
@@ -62,19 +62,12 @@ def main() -> int:
         for p in procs[::-1]:
             p.terminate()
             p.wait(timeout=30)
-    res.update(
-        git_sha=git_sha(),
-        hardware=hardware(),
-        command=" ".join(sys.argv),
-        backend=f"dspine serve (embedded engine, CPU), drafter {a.drafter or 'none (AR)'}",
-    )
-    print("| clients | seconds | completed | errors | lost | p50 ms | p99 ms | req/s |")
-    print("|---|---|---|---|---|---|---|---|")
-    f = lambda v: "—" if v is None else f"{v:.0f}"  # noqa: E731
-    print(
-        f"| {res['clients']} | {res['seconds']:.0f} | {res['completed']} | {res['errors']} | {res['lost']} | "
-        f"{f(res['p50_ms'])} | {f(res['p99_ms'])} | {res['requests_per_s']:.2f} |"
-    )
+    res.update(**provenance(), backend=f"dspine serve (embedded engine, CPU), drafter {a.drafter or 'none (AR)'}")
+    f = lambda v: "—" if v is None else f"{v:.0f}"
+    header = ["clients", "seconds", "completed", "errors", "lost", "p50 ms", "p99 ms", "req/s"]
+    row = [res["clients"], f"{res['seconds']:.0f}", res["completed"], res["errors"], res["lost"], f(res["p50_ms"]),
+           f(res["p99_ms"]), f"{res['requests_per_s']:.2f}"]  # fmt: skip
+    print(md_table(header, [row]))
     if a.out:
         atomic_write_text(Path(a.out), json.dumps(res, indent=1) + "\n")
     if a.summary:

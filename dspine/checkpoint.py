@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dspine.config import ConfigError, from_dict
-from dspine.drafter import DSpineConfig, DSpineDraftModel
+from dspine.drafter import DSPINE_SECTION, DSpineConfig, DSpineDraftModel
 from dspine.io import atomic_dir
 
 ARCH = "DSpineDraftModel"
@@ -42,7 +42,7 @@ _TOP = (
     "is_causal",
 )
 _DFLASH = ("mask_token_id", "target_layer_ids")
-_DSPINE = ("method", "transfer_rank", "message_size", "top_k")
+_DSPINE = DSPINE_SECTION
 _FIXED = {
     "architectures": [ARCH],
     "model_type": "qwen3",

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-METHODS = ("ar", "dflash", "post_backbone", "dspine")
+from dspine.methods import METHODS
 
 
 class UsageError(ValueError):

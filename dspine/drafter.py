@@ -31,12 +31,7 @@ import torch.nn.functional as F
 
 from dspine import kernels
 from dspine.config import ConfigError
-
-VARIANTS = {  # method -> which layers inject ("all" | "last" | "none")
-    "dspine": "all",
-    "post_backbone": "last",
-    "dflash": "none",
-}
+from dspine.methods import VARIANTS
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -50,6 +45,9 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 # ---------------------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------------------
+DSPINE_SECTION = ("method", "transfer_rank", "message_size", "top_k")  # config.json's dspine_config keys
+
+
 @dataclass
 class DSpineConfig:
     # backbone (Qwen3-style, the target's width)
@@ -199,6 +197,16 @@ class DraftLayer(nn.Module):
 
 
 class Injection(nn.Module):
+    PARAMS = (
+        "readout.weight",
+        "readout.bias",
+        "gate_f.weight",
+        "gate_f.bias",
+        "gate_p.weight",
+        "message.weight",
+        "write.weight",
+    )  # its weight names, in the order the SGLang export and plugin list them
+
     """Readout + gated adjacent write for one layer (the eager reference for kernels/injection)."""
 
     def __init__(self, d: int, r: int, s: int):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -19,10 +18,10 @@ import torch
 
 from dspine.checkpoint import config_to_json, load_at
 from dspine.engine import Engine
-from dspine.io import atomic_write_text, git_sha, hardware, json_text
+from dspine.io import atomic_write_text, json_text, md_table, provenance
 from dspine.plots import line_panels
 from dspine.sampling import SamplingParams
-from dspine.stats import AcceptanceStats, summarize
+from dspine.stats import AcceptanceStats, group_by, summarize
 from dspine.workloads import load_benchmark
 
 
@@ -128,14 +127,14 @@ def evaluate(
                 }
                 if T == 0:
                     match = sum(r[name][0] == r["ar"][0] for r in rows)
-                    cell[name]["exact_match_with_ar"] = f"{match}/{n}"
+                    cell[name]["exact_match"] = {"matched": match, "requests": n}
+                    cell[name]["exact_match_with_ar"] = f"{match}/{n}"  # the same, for reading
             results[bench][key] = cell
     return {
         "results": results,
         "means": benchmark_means(results),
-        "git_sha": git_sha(),
-        "hardware": hardware(),
-        "command": " ".join(sys.argv),
+        "temperatures": {f"T{T:g}": T for T in temperatures},
+        **provenance(),
         "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
         "limit": limit,
         "max_new_tokens": max_new_tokens,
@@ -239,41 +238,39 @@ def benchmark_means(results: dict) -> dict:
     return {k: {n: sum(v) / len(v) for n, v in d.items()} for k, d in out.items()}
 
 
+def _label(doc: dict, key: str) -> str:
+    """A temperature key as written in tables ("T = 0"), from the document's key -> temperature map."""
+    t = doc.get("temperatures", {}).get(key)
+    return key if t is None else f"T = {t:g}"
+
+
 def markdown_table(doc: dict) -> str:
     results, means = doc["results"], doc["means"]
-    temps = temperatures(doc)
     methods = list(next(iter(next(iter(results.values())).values())).keys())
     lines = []
-    for key in temps:
-        lines.append(f"\n**{key.replace('T', 'T = ')}** (τ = mean of per-request acceptance lengths)\n")
-        lines.append("| method | " + " | ".join(results) + " | mean |")
-        lines.append("|---" * (len(results) + 2) + "|")
+    for key in temperatures(doc):
+        lines.append(f"\n**{_label(doc, key)}** (τ = mean of per-request acceptance lengths)\n")
+        rows = [[m, *(f"{results[b][key][m]['tau_mean']:.3f}" for b in results), f"{means[key][m]:.3f}"]
+                for m in methods]  # fmt: skip
+        lines.append(md_table(["method", *results, "mean"], rows))
+        for a, b in (("dspine", "dflash"), ("dspine", "post_backbone")):
+            if a in methods and b in methods:
+                lines.append(f"\nτ({a}) / τ({b}) at {key}: {means[key][a] / means[key][b]:.3f}")
         for m in methods:
-            row = [f"{results[b][key][m]['tau_mean']:.3f}" for b in results]
-            lines.append(f"| {m} | " + " | ".join(row) + f" | {means[key][m]:.3f} |")
-        ratios = [
-            (a, b) for a, b in (("dspine", "dflash"), ("dspine", "post_backbone")) if a in methods and b in methods
-        ]
-        for a, b in ratios:
-            lines.append(f"\nτ({a}) / τ({b}) at {key}: {means[key][a] / means[key][b]:.3f}")
-        for m in methods:
-            em = [results[b][key][m].get("exact_match_with_ar") for b in results]
+            em = [results[b][key][m].get("exact_match") for b in results]
             if all(em):
-                ok = sum(int(x.split("/")[0]) for x in em)
-                n = sum(int(x.split("/")[1]) for x in em)
+                ok, n = sum(e["matched"] for e in em), sum(e["requests"] for e in em)
                 lines.append(f"\n{m}: exact match with AR on {ok}/{n} requests at {key}")
     lines.append(slot_table(doc))
     rep = doc.get("train_report", {}).get("methods")
     if rep:
         steps = doc["train_report"].get("train", {}).get("steps", "?")
         lines.append(f"\n**Held-out simulated τ** (all drafters trained in lockstep, {steps} steps)\n")
-        lines.append("| drafter | method | overrides | τ_sim before | τ_sim best |")
-        lines.append("|---|---|---|---|---|")
+        rows = []
         for n, r in rep.items():
             over = ", ".join(f"{k}={v}" for k, v in {**r.get("drafter", {}), **r.get("loss", {})}.items()) or "—"
-            lines.append(
-                f"| {n} | {r.get('method', n)} | {over} | {r['tau_sim_before']:.3f} | {r['best_tau_sim']:.3f} |"
-            )
+            rows.append([n, r.get("method", n), over, f"{r['tau_sim_before']:.3f}", f"{r['best_tau_sim']:.3f}"])
+        lines.append(md_table(["drafter", "method", "overrides", "τ_sim before", "τ_sim best"], rows))
     return "\n".join(lines) + "\n"
 
 
@@ -285,15 +282,14 @@ def temperatures(doc: dict) -> list[str]:
     return sorted({k for b in doc["results"].values() for k in b})
 
 
-def pooled_slots(doc: dict, key: str) -> dict[str, AcceptanceStats]:
-    """Each drafter's rounds at temperature `key`, pooled over the benchmarks."""
-    out: dict[str, AcceptanceStats] = {}
-    for bench in doc["results"].values():
-        for m, r in bench.get(key, {}).items():
-            if r.get("accept_hist"):
-                s = AcceptanceStats(len(r["accept_hist"]), r["accept_hist"])
-                out[m] = out[m].merge(s) if m in out else s
-    return out
+def pooled_slots(doc: dict, key: str) -> dict[str, dict]:
+    """Each drafter's rounds at temperature `key`, pooled over the benchmarks (stats.group_by by method)."""
+    return group_by(
+        (m, AcceptanceStats(len(r["accept_hist"]), r["accept_hist"]))
+        for bench in doc["results"].values()
+        for m, r in bench.get(key, {}).items()
+        if r.get("accept_hist")
+    )
 
 
 def slot_table(doc: dict) -> str:
@@ -302,16 +298,14 @@ def slot_table(doc: dict) -> str:
         pooled = pooled_slots(doc, key)
         if not pooled:
             continue
-        n = min(SLOTS_SHOWN, *(s.block_size - 1 for s in pooled.values()))
+        n = min(SLOTS_SHOWN, *(len(g["per_slot"]) for g in pooled.values()))
         lines.append(
-            f"\n**Per-slot acceptance at {key.replace('T', 'T = ')}**, pooled over the benchmarks: "
+            f"\n**Per-slot acceptance at {_label(doc, key)}**, pooled over the benchmarks: "
             "P(slot k accepted), and in brackets P(slot k accepted | slot k−1 accepted)\n"
         )
-        lines.append("| method | " + " | ".join(f"slot {k}" for k in range(1, n + 1)) + " |")
-        lines.append("|---" * (n + 1) + "|")
-        for m, st in pooled.items():
-            cells = [f"{a:.3f} ({c:.2f})" for a, c in zip(st.per_slot[:n], st.per_slot_conditional[:n])]
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        rows = [[m, *(f"{a:.3f} ({c:.2f})" for a, c in zip(g["per_slot"][:n], g["per_slot_conditional"][:n]))]
+                for m, g in pooled.items()]  # fmt: skip
+        lines.append(md_table(["method", *(f"slot {k}" for k in range(1, n + 1))], rows))
     return "\n".join(lines) + "\n" if lines else ""
 
 
@@ -321,12 +315,12 @@ def slot_chart(doc: dict) -> str | None:
     for key in temperatures(doc):
         pooled = pooled_slots(doc, key)
         if pooled:
-            t = key.replace("T", "T = ")
-            panels.append((f"P(slot k accepted), {t}", {m: s.per_slot[:SLOTS_SHOWN] for m, s in pooled.items()}))
+            t = _label(doc, key)
+            panels.append((f"P(slot k accepted), {t}", {m: g["per_slot"][:SLOTS_SHOWN] for m, g in pooled.items()}))
             panels.append(
                 (
                     f"P(slot k | slot k-1 accepted), {t}",
-                    {m: s.per_slot_conditional[:SLOTS_SHOWN] for m, s in pooled.items()},
+                    {m: g["per_slot_conditional"][:SLOTS_SHOWN] for m, g in pooled.items()},
                 )
             )
     return line_panels(panels, "block slot k") if panels else None

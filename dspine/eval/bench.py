@@ -8,11 +8,10 @@ throughput and τ; `--backend sglang` (sglang_bench.py) gives the same tables fr
 
 from __future__ import annotations
 
-import sys
 import time
 
 from dspine.engine import Engine, generate_batch
-from dspine.io import git_sha, hardware
+from dspine.io import md_table, provenance
 from dspine.sampling import SamplingParams
 from dspine.stats import summarize
 from dspine.workloads import load_benchmark
@@ -104,79 +103,60 @@ def engine_bench(
         "temperature": temperature,
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
-        "git_sha": git_sha(),
-        "hardware": hardware(),
-        "command": " ".join(sys.argv),
+        **provenance(),
     }
 
 
-def bench_table(doc: dict) -> str:
-    lines = [
-        f"backend {doc['backend']}, concurrency {doc['concurrency']}, {doc['hardware']}",
-        "",
-        "| method | tok/s | × AR | τ | round ms | round / AR step | round split, ms |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def _method_rows(doc: dict) -> str:
+    rows = []
     for name, r in doc["rows"].items():
         split = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phase_ms_per_round", {}).items()) or "—"
-        lines.append(
-            f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
-            f"{r.get('tau_mean', 1.0):.3f} | {r.get('round_ms', r.get('ar_step_ms', 0)):.2f} | "
-            f"{r.get('round_over_ar_step', 1.0):.2f} | {split} |"
-        )
+        rows.append([name, f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}", f"{r.get('tau_mean', 1.0):.3f}",
+                     f"{r.get('round_ms', r.get('ar_step_ms', 0)):.2f}", f"{r.get('round_over_ar_step', 1.0):.2f}",
+                     split])  # fmt: skip
+    return md_table(["method", "tok/s", "× AR", "τ", "round ms", "round / AR step", "round split, ms"], rows)
+
+
+def _concurrency_rows(doc: dict) -> str:
+    names = list(doc["rows"])
+    rows = [[c, *(f"{r[n]['tokens_per_s']:.0f} ({r[n]['speedup_vs_ar']:.2f})" for n in names)]
+            for c, r in doc["by_concurrency"].items()]  # fmt: skip
+    return md_table(["concurrency", *(f"{n} tok/s (× AR)" for n in names)], rows)
+
+
+def _timing_rows(timed: list) -> str:
+    """SGLang: where each set's wall time went (CUDA events inside SGLang)."""
+    rows = []
+    for c, n, r in timed:
+        ph = r["phase_ms_per_round"]
+        rows.append([c, n, r["timed_rounds"], f"{r['gpu_round_ms']:.2f}",
+                     f"{ph['draft']:.2f} / {ph['verify']:.2f} / {ph['glue']:.2f}", f"{r['prefill_ms_total']:.0f}",
+                     f"{r['outside_rounds_s']:.2f}", f"{r['seconds']:.2f}"])  # fmt: skip
+    header = ["concurrency", "method", "rounds", "GPU round ms", "draft / verify / glue ms", "prefills ms",
+              "outside rounds s", "wall s"]  # fmt: skip
+    return md_table(header, rows)
+
+
+def _agreement_rows(doc: dict) -> str:
+    agree = doc["engine_agreement"]
+    rows = [[b, *(f"{a['per_benchmark'][b]['sglang']:.3f} / {a['per_benchmark'][b]['engine']:.3f} "
+                  f"({a['per_benchmark'][b]['ratio']:.3f})" for a in agree.values())]
+            for b in doc["benchmarks"]]  # fmt: skip
+    return md_table(["benchmark", *(f"τ {n} SGLang / engine" for n in agree)], rows)
+
+
+def bench_table(doc: dict) -> str:
+    parts = [f"backend {doc['backend']}, concurrency {doc['concurrency']}, {doc['hardware']}", _method_rows(doc)]
     if doc.get("by_concurrency"):
-        names = list(doc["rows"])
-        lines += [
-            "",
-            "| concurrency | " + " | ".join(f"{n} tok/s (× AR)" for n in names) + " |",
-            "|---|" + "---|" * len(names),
-        ]
-        for c, rows in doc["by_concurrency"].items():
-            lines.append(
-                f"| {c} | "
-                + " | ".join(f"{rows[n]['tokens_per_s']:.0f} ({rows[n]['speedup_vs_ar']:.2f})" for n in names)
-                + " |"
-            )
-    timed = [
-        (c, n, r)
-        for c, rows in (doc.get("by_concurrency") or {}).items()
-        for n, r in rows.items()
-        if "gpu_round_ms" in r
-    ]
-    if timed:  # SGLang: where each set's wall time went (CUDA events inside SGLang)
-        lines += [
-            "",
-            "| concurrency | method | rounds | GPU round ms | draft / verify / glue ms | prefills ms | "
-            "outside rounds s | wall s |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for c, n, r in timed:
-            ph = r["phase_ms_per_round"]
-            lines.append(
-                f"| {c} | {n} | {r['timed_rounds']} | {r['gpu_round_ms']:.2f} | {ph['draft']:.2f} / "
-                f"{ph['verify']:.2f} / {ph['glue']:.2f} | {r['prefill_ms_total']:.0f} | "
-                f"{r['outside_rounds_s']:.2f} | {r['seconds']:.2f} |"
-            )
+        parts.append(_concurrency_rows(doc))
+    timed = [(c, n, r) for c, rows in (doc.get("by_concurrency") or {}).items() for n, r in rows.items()
+             if "gpu_round_ms" in r]  # fmt: skip
+    if timed:
+        parts.append(_timing_rows(timed))
     if doc.get("engine_agreement"):
-        lines += [
-            "",
-            "| benchmark | " + " | ".join(f"τ {n} SGLang / engine" for n in doc["engine_agreement"]) + " |",
-            "|---|" + "---|" * len(doc["engine_agreement"]),
-        ]
-        for b in doc["benchmarks"]:
-            lines.append(
-                f"| {b} | "
-                + " | ".join(
-                    f"{a['per_benchmark'][b]['sglang']:.3f} / {a['per_benchmark'][b]['engine']:.3f} "
-                    f"({a['per_benchmark'][b]['ratio']:.3f})"
-                    for a in doc["engine_agreement"].values()
-                )
-                + " |"
-            )
+        parts.append(_agreement_rows(doc))
     if doc.get("tau_per_benchmark_c1"):
         per = doc["tau_per_benchmark_c1"]
-        names = list(per)
-        lines += ["", "| benchmark | " + " | ".join(f"τ {n}" for n in names) + " |", "|---|" + "---|" * len(names)]
-        for b in doc["benchmarks"]:
-            lines.append(f"| {b} | " + " | ".join(f"{per[n][b]:.3f}" for n in names) + " |")
-    return "\n".join(lines) + "\n"
+        parts.append(md_table(["benchmark", *(f"τ {n}" for n in per)],
+                              [[b, *(f"{per[n][b]:.3f}" for n in per)] for b in doc["benchmarks"]]))  # fmt: skip
+    return "\n\n".join(parts) + "\n"

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from dspine.config import ConfigError
-from dspine.io import git_sha, hardware, update_summary
+from dspine.io import provenance, update_summary
 from dspine.process import free_port, wait_http
 from dspine.sglang.plugin.timing import split
 from dspine.stats import tau_of
@@ -343,9 +343,7 @@ def sglang_bench(
         "prompts": len(prompts),
         "benchmarks": list(dict.fromkeys(bench_of)),
         "benchmark_of": bench_of,
-        "git_sha": git_sha(),
-        "hardware": hardware(),
-        "command": " ".join(sys.argv),
+        **provenance(),
     }
 
 

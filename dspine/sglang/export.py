@@ -18,18 +18,9 @@ from pathlib import Path
 import torch
 
 from dspine.checkpoint import CheckpointError, load_at, save_drafter
-from dspine.drafter import DSpineConfig
+from dspine.drafter import DSpineConfig, Injection
 
 ARCHS = {"dflash": "DFlashDraftModel", "post_backbone": "DSpineDraftModel", "dspine": "DSpineDraftModel"}
-INJECTION = (
-    "readout.weight",
-    "readout.bias",
-    "gate_f.weight",
-    "gate_f.bias",
-    "gate_p.weight",
-    "message.weight",
-    "write.weight",
-)
 
 
 class ExportError(CheckpointError):
@@ -67,7 +58,7 @@ def sglang_weight_shapes(cfg: DSpineConfig) -> dict[str, tuple[int, ...]]:
         )
     for layer in cfg.inject_layers:
         shapes = ((r, d), (r,), (s, r), (s,), (s, r), (s, r), (d, s))
-        out.update({f"injections.{layer}.{n}": sh for n, sh in zip(INJECTION, shapes)})
+        out.update({f"injections.{layer}.{n}": sh for n, sh in zip(Injection.PARAMS, shapes)})
     if cfg.uses_injection:
         out["transfer_codes"] = (cfg.vocab_size, r)
     return out

@@ -26,15 +26,13 @@ from dspine.checkpoint import load_at
 from dspine.drafter import DSpineConfig
 from dspine.eval.acceptance import evaluate, write_results
 from dspine.io import atomic_write_text
+from dspine.methods import VARIANTS
 from dspine.target import load_target
 from dspine.train.data import load_samples, regenerate_dataset
 from dspine.train.loop import TrainConfig, init_distributed
 from dspine.train.losses import loss_kw
 from dspine.train.run import DrafterSpec, run
 from dspine.workloads import BENCHMARKS, load_prompts
-
-METHODS = ("dflash", "post_backbone", "dspine")
-
 
 Ablation = DrafterSpec  # a named variant of the recipe: method + drafter-config and loss overrides
 
@@ -51,7 +49,7 @@ class RecipeConfig:
     heldout: int = 64  # regenerated samples (a seeded random choice) kept out of training for simulated τ
     layers: int = 5
     block_size: int = 16
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: list(VARIANTS))
     ablations: dict[str, Ablation] = field(
         default_factory=lambda: {
             "dspine_r64": Ablation(drafter={"transfer_rank": 64, "message_size": 64}),
@@ -84,9 +82,9 @@ class RecipeConfig:
         clash = set(self.methods) & set(self.ablations)
         if clash:
             raise ConfigError(f"recipe: ablation names {sorted(clash)} clash with the methods")
-        bad = [m for m in [*self.methods, *(a.method for a in self.ablations.values())] if m not in METHODS]
+        bad = [m for m in [*self.methods, *(a.method for a in self.ablations.values())] if m not in VARIANTS]
         if bad:
-            raise ConfigError(f"recipe: unknown method(s) {bad}; known: {list(METHODS)}")
+            raise ConfigError(f"recipe: unknown method(s) {bad}; known: {list(VARIANTS)}")
         if self.eval_top_k and ("dspine" not in self.methods or min(self.eval_top_k) < 1):
             raise ConfigError("recipe.eval_top_k: widths >= 1 for the dspine drafter (methods must include dspine)")
         known = {f.name for f in dataclasses.fields(DSpineConfig)} - {"method"}

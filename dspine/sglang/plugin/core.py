@@ -10,7 +10,7 @@ so the draft CUDA graph captures the proposal together with the draft forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -18,8 +18,7 @@ import torch.nn as nn
 from dspine import kernels
 from dspine.config import ConfigError, from_dict
 from dspine.decoding import greedy_transition_walk, scores_table, top_candidates
-from dspine.drafter import VARIANTS, Injection
-from dspine.sglang.export import INJECTION
+from dspine.drafter import DSPINE_SECTION, VARIANTS, Injection
 
 
 @dataclass
@@ -30,6 +29,9 @@ class PluginConfig:
     transfer_rank: int = 256
     message_size: int = 256
     top_k: int = 8
+
+
+assert tuple(f.name for f in fields(PluginConfig)) == DSPINE_SECTION
 
 
 def parse_dspine_config(hf_config) -> tuple[PluginConfig, list[int]]:
@@ -56,7 +58,7 @@ def parse_dspine_config(hf_config) -> tuple[PluginConfig, list[int]]:
 
 def dspine_weight_names(inject_layers: list[int]) -> set[str]:
     """Names DSpine loads itself (SGLang's DFlash loader would silently skip them)."""
-    names = {f"injections.{layer}.{p}" for layer in inject_layers for p in INJECTION}
+    names = {f"injections.{layer}.{p}" for layer in inject_layers for p in Injection.PARAMS}
     return names | {"transfer_codes"}
 
 
