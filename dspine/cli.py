@@ -29,10 +29,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dspine", description="Train and serve DSpine speculative-decoding drafters.")
-    sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
-
+def _add_generate(sub) -> None:
     g = sub.add_parser(
         "generate",
         help="decode one prompt with the target alone or with a drafter",
@@ -60,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
+
+def _add_regen(sub) -> None:
     r = sub.add_parser(
         "regen",
         help="regenerate responses to a prompt set with the target (training data)",
@@ -77,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
+
+def _add_train(sub) -> None:
     t = sub.add_parser(
         "train",
         help="train a drafter on target-regenerated responses",
@@ -112,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="train.KEY=VALUE",
         help="dotted overrides of the training config (keys: see dspine.train.TrainConfig)",
     )
+
+
+def _add_serve(sub) -> None:
     s = sub.add_parser(
         "serve",
         help="OpenAI-compatible server over the embedded engine",
@@ -132,6 +136,8 @@ def _parser() -> argparse.ArgumentParser:
         help="requests decoded together, from those waiting when a batch starts (default: %(default)s)",
     )
 
+
+def _add_proxy(sub) -> None:
     px = sub.add_parser(
         "proxy",
         help="a LiteLLM proxy in front of dspine/SGLang backends, recording acceptance",
@@ -164,6 +170,8 @@ def _parser() -> argparse.ArgumentParser:
         "--workdir", default="runs/proxy", help="where the LiteLLM config is written (default: %(default)s)"
     )
 
+
+def _add_dashboard(sub) -> None:
     db = sub.add_parser(
         "dashboard",
         help="web page over the acceptance store",
@@ -175,6 +183,8 @@ def _parser() -> argparse.ArgumentParser:
     db.add_argument("--port", type=int, default=8050, help="port (default: %(default)s)")
     db.add_argument("--bucket-seconds", type=float, default=60.0, help="time-series bucket (default: %(default)s)")
 
+
+def _add_export(sub) -> None:
     x = sub.add_parser(
         "export",
         help="write a drafter checkpoint that SGLang loads",
@@ -199,6 +209,8 @@ def _parser() -> argparse.ArgumentParser:
         help="transition-cache width K the server walks (a decode-time setting; default: the checkpoint's)",
     )
 
+
+def _add_bench(sub) -> None:
     bn = sub.add_parser(
         "bench",
         help="speed of AR and drafters (embedded engine or SGLang), side by side",
@@ -283,6 +295,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     bn.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
+
+def _add_eval(sub) -> None:
     e = sub.add_parser(
         "eval",
         help="acceptance per benchmark for AR and any set of drafters",
@@ -322,6 +336,14 @@ def _parser() -> argparse.ArgumentParser:
         help="engine processes sharing the device (results identical to 1; several help on a GPU, "
         "where one batch-1 engine is launch-bound) (default: %(default)s)",
     )
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dspine", description="Train and serve DSpine speculative-decoding drafters.")
+    sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for add in (_add_generate, _add_regen, _add_train, _add_serve, _add_proxy, _add_dashboard, _add_export,
+                _add_bench, _add_eval):  # fmt: skip
+        add(sub)
     return ap
 
 
