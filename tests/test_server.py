@@ -192,13 +192,10 @@ def test_concurrent_requests_are_batched_and_equal_ar(server, smollm2, smollm2_d
     assert max(sizes) > 1, sizes
 
 
+# small: the shared server refuses prompts over 200 tokens; the follow-up carries the schema, call and result
 WEATHER = {
     "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
+    "function": {"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
 }
 
 
@@ -233,11 +230,11 @@ def test_tool_calling_conversation_through_an_openai_client(server, smollm2, smo
                 {
                     "id": "call_1",
                     "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
                 }
             ],
         },
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, light rain"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
     ]
     kw = dict(model="smol", messages=follow, tools=[WEATHER], max_tokens=16, temperature=0)
     done = client.chat.completions.create(**kw)

@@ -150,6 +150,58 @@ class CompletionRequest(_Request):
     prompt: Annotated[str, Field(min_length=1)]
 
 
+# ---- responses (built with every field given and dumped with exclude_unset: absent stays absent, null stays null)
+class Usage(_Model):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(_Model):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(_Model):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+
+
+class TextChoice(_Model):
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+class Delta(_Model):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each with its "index", as OpenAI streams them
+
+
+class DeltaChoice(_Model):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+
+
+class Completion(_Model):
+    """A chat.completion, text_completion or one streamed chunk; SGLang's sglext / meta_info ride along."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["chat.completion", "chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice | TextChoice | DeltaChoice]
+    usage: Usage | None = None
+
+    def dump(self) -> dict:
+        return self.model_dump(exclude_unset=True)
+
+
 class RequestInvalid(ValueError):
     """A request that does not fit the models: the message names the field."""
 
@@ -172,7 +224,8 @@ def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
         elif err["type"] == "missing" and loc == ["prompt"]:
             msg = "'prompt' is required: a non-empty string"
         else:
-            msg = f"'{field}': {err['msg']}" + (f" (got {err['input']!r})" if _short(err.get("input")) else "")
+            got = f" (got {err['input']!r})" if _short(err.get("input")) and "got" not in err["msg"] else ""
+            msg = f"'{field}': {err['msg'].removeprefix('Value error, ')}{got}"
         raise RequestInvalid(msg, loc[0] if loc else None) from None
 
 
@@ -188,10 +241,9 @@ def template_has_tools(template: str | None) -> bool:
 def tools_system_block(tools: list[Tool], tool_choice) -> str:
     lines = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
     text = (
-        "# Tools\n\nFunctions you can call, one JSON schema per line:\n<tools>\n"
-        f"{lines}\n</tools>\n\nTo call a function, reply with a <tool_call></tool_call> block holding a JSON "
-        "object with its name and arguments, one block per call:\n<tool_call>\n"
-        '{"name": "<function name>", "arguments": {<arguments as a JSON object>}}\n</tool_call>'
+        f"# Tools\n\nYou can call these functions (JSON schemas):\n<tools>\n{lines}\n</tools>\n\n"
+        "To call one, reply with a <tool_call></tool_call> block per call, holding a JSON object with its name "
+        'and arguments:\n<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n</tool_call>'
     )
     if tool_choice == "required":
         text += "\n\nCall at least one function."

@@ -27,8 +27,15 @@ from dspine.process import free_port, wait_http
 from dspine.sampling import RequestError, SamplingParams
 from dspine.serve.metrics import AcceptanceMetrics
 from dspine.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
     ChatRequest,
+    Completion,
+    Delta,
+    DeltaChoice,
     RequestInvalid,
+    TextChoice,
+    Usage,
     parse_request,
     parse_tool_calls,
     streamable_prefix,
@@ -192,7 +199,7 @@ class Service:
                 code="context_length_exceeded",
             )
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop = ([req.stop] if req.stop else []) if isinstance(req.stop, str) else list(req.stop or [])
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -282,27 +289,18 @@ class Service:
     def response(self, req: Parsed, rec: RequestRecord, chat: bool) -> dict:
         if chat:
             content, calls, finish = self.reply(req, rec.text, rec.finish_reason)
-            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-            choice = {"index": 0, "message": message, "finish_reason": finish}
+            message = AssistantMessage(role="assistant", content=content, **({"tool_calls": calls} if calls else {}))
+            choice = ChatChoice(index=0, message=message, finish_reason=finish)
         else:
-            choice = {"index": 0, "text": rec.text, "finish_reason": rec.finish_reason}
-        return {
-            "id": rec.request_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(rec.ts),
-            "model": rec.model,
-            "choices": [choice],
-            "usage": usage(rec),
-            **self.extras(req, rec),
-        }
+            choice = TextChoice(index=0, text=rec.text, finish_reason=rec.finish_reason)
+        return Completion(id=rec.request_id, object="chat.completion" if chat else "text_completion",
+                          created=int(rec.ts), model=rec.model, choices=[choice], usage=usage(rec),
+                          **self.extras(req, rec)).dump()  # fmt: skip
 
 
-def usage(rec: RequestRecord) -> dict:
-    return {
-        "prompt_tokens": rec.prompt_tokens,
-        "completion_tokens": rec.completion_tokens,
-        "total_tokens": rec.prompt_tokens + rec.completion_tokens,
-    }
+def usage(rec: RequestRecord) -> Usage:
+    return Usage(prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
+                 total_tokens=rec.prompt_tokens + rec.completion_tokens)  # fmt: skip
 
 
 class Stream:
@@ -317,25 +315,16 @@ class Stream:
         self.sent = ""
         self.created = int(time.time())
 
-    def chunk(self, delta: dict | None = None, text: str | None = None, finish=None, extra=None) -> str:
+    def chunk(self, delta: dict | None = None, text: str | None = None, finish=None, usage=None, extra=None) -> str:
         if self.chat:
-            choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
+            choice = DeltaChoice(index=0, delta=Delta(**(delta or {})), finish_reason=finish)
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish}
-        return (
-            "data: "
-            + json.dumps(
-                {
-                    "id": self.req.id,
-                    "object": "chat.completion.chunk" if self.chat else "text_completion",
-                    "created": self.created,
-                    "model": self.service.cfg.model_name,
-                    "choices": [choice],
-                    **(extra or {}),
-                }
-            )
-            + "\n\n"
-        )
+            choice = TextChoice(index=0, text=text or "", finish_reason=finish)
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        done = {"usage": usage} if usage is not None else {}
+        doc = Completion(id=self.req.id, object=obj, created=self.created, model=self.service.cfg.model_name,
+                         choices=[choice], **done, **(extra or {}))  # fmt: skip
+        return "data: " + json.dumps(doc.dump()) + "\n\n"
 
     def content(self, text: str) -> str:
         return self.chunk({"role": "assistant", "content": text}, text)
@@ -365,7 +354,7 @@ class Stream:
             out.append(self.content(rest[len(self.sent) :]))
         for i, c in enumerate(calls):
             out.append(self.chunk({"role": "assistant", "tool_calls": [{"index": i, **c}]}))
-        out.append(self.chunk(None, None, finish, {"usage": usage(rec), **self.service.extras(self.req, rec)}))
+        out.append(self.chunk(None, None, finish, usage(rec), self.service.extras(self.req, rec)))
         out.append("data: [DONE]\n\n")
         return out
 
