@@ -18,7 +18,6 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 from dspine.drafter import DSpineDraftModel  # noqa: E402
 from dspine.engine import Engine  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
-from dspine.serve.server import start_server_process  # noqa: E402
 from dspine.target import Target, load_target  # noqa: E402
 from dspine.train.loop import TrainConfig, train_drafter  # noqa: E402
 
@@ -138,6 +137,8 @@ def smollm2_drafters(smollm2, smollm2_pairs):
 @contextlib.contextmanager
 def running_server(ckpt, name: str = "smol", max_prompt_tokens: int = 200):
     """The real `dspine serve` on a free 127.0.0.1 port (SmolLM2 + the given drafter); yields its base URL."""
+    from dspine.serve.server import start_server_process  # the serving extras (pydantic, fastapi) only here
+
     proc, base = start_server_process(ckpt, name, extra=["--max-prompt-tokens", str(max_prompt_tokens)])
     try:
         yield base

@@ -25,7 +25,6 @@ from dspine.train.losses import Batch, FeatureSource, drafter_losses, evaluate_t
 
 
 @dataclass
-@dataclass
 class TrainConfig:
     steps: int = 200
     lr: float = 6e-4
