@@ -15,7 +15,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dspine.decoding import (  # noqa: E402
-    top_candidates,  # noqa: E402
+    top_candidates,
     transition_scores,
     walk_greedy,
     walk_sample,

@@ -158,10 +158,7 @@ def test_tiny_recipe_end_to_end(tmp_path):
     # two engine processes give the very same tokens and acceptance as one
     par = run_eval_stage(dataclasses.replace(cfg, eval_workers=2), tmp_path, tmp_path / "par.json", progress=False)
     strip = lambda d: {
-        b: {
-            T: {m: {k: v for k, v in r.items() if k != "seconds"} for m, r in c.items()}  # noqa: E731
-            for T, c in bt.items()
-        }
+        b: {T: {m: {k: v for k, v in r.items() if k != "seconds"} for m, r in c.items()} for T, c in bt.items()}
         for b, bt in d["results"].items()
     }
     assert strip(par) == strip(doc)
@@ -191,6 +188,6 @@ def test_eval_first_turns_only(smollm2):
     d = DSpineDraftModel.for_target(smollm2, method="dspine", num_hidden_layers=1)
     both = evaluate(smollm2, {"d": d}, ["mt_bench"], 1, [0.0], 8, progress=False)
     first = evaluate(smollm2, {"d": d}, ["mt_bench"], 1, [0.0], 8, progress=False, max_turns=1)
-    tok = lambda doc, m: doc["results"]["mt_bench"]["T0"][m]["tokens"]  # noqa: E731
+    tok = lambda doc, m: doc["results"]["mt_bench"]["T0"][m]["tokens"]
     assert tok(first, "ar") == tok(first, "d") == 8 and tok(both, "ar") == 16
     assert first["max_turns"] == 1 and first["results"]["mt_bench"]["T0"]["d"]["exact_match_with_ar"] == "1/1"

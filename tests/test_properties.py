@@ -174,7 +174,7 @@ def test_lockstep_training_equals_training_alone(tiny):
 
     target, pairs = tiny
     cfg = TrainConfig(steps=8, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=2, lr=2e-3, eval_every=4)
-    make = lambda m, L=2: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=L, block_size=8)  # noqa: E731
+    make = lambda m, L=2: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=L, block_size=8)
     alone = {m: make(m) for m in ("dflash", "dspine")}
     for d in alone.values():
         train_drafter(d, target, pairs, cfg, eval_samples=pairs[:4], progress=False)
@@ -235,7 +235,7 @@ def test_pause_after_a_time_limit_then_resume_equals_a_straight_run(tiny, tmp_pa
     target, pairs = tiny
     kw = dict(steps=12, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=2, lr=2e-3, eval_every=5)
     make = lambda: {
-        m: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=2, block_size=8)  # noqa: E731
+        m: DSpineDraftModel.for_target(target, method=m, num_hidden_layers=2, block_size=8)
         for m in ("dflash", "dspine")
     }
     straight = make()

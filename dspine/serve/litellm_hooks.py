@@ -26,11 +26,11 @@ import os
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import (the cost map is local)
 
-from litellm.integrations.custom_logger import CustomLogger  # noqa: E402
+from litellm.integrations.custom_logger import CustomLogger
 
-from dspine.serve.metrics import AcceptanceMetrics  # noqa: E402
-from dspine.serve.records import RequestRecord  # noqa: E402
-from dspine.serve.store import AcceptanceStore  # noqa: E402
+from dspine.serve.metrics import AcceptanceMetrics
+from dspine.serve.records import RequestRecord
+from dspine.serve.store import AcceptanceStore
 
 _METRICS = None
 

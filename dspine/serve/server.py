@@ -152,7 +152,7 @@ class Batcher:
                     )
                 for job, res in zip(batch, results):
                     job[3].set_result(res)
-            except Exception as e:  # noqa: BLE001 — every waiting request hears of it
+            except Exception as e:
                 for job in batch:
                     job[3].set_exception(e)
 

@@ -9,6 +9,7 @@ set spans every prompt pool and length.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -104,12 +105,8 @@ def run(
     losses = {n: s.loss for n, s in specs.items()}
     if before is None:
         before = evaluate_tau_sims(drafters, target, eval_pairs, cfg, losses=losses) if rank == 0 else {}
-    log = None
-    logf = open(log_path, "a") if log_path and rank == 0 else None  # noqa: SIM115 — closed below
-    if logf is not None:
-        log = lambda row: logf.write(json.dumps(row) + "\n")  # noqa: E731
     t0 = time.time()
-    try:
+    with open(log_path, "a") if log_path and rank == 0 else contextlib.nullcontext() as logf:
         hist = train_drafters(
             drafters,
             target,
@@ -117,15 +114,12 @@ def run(
             cfg,
             eval_samples=eval_pairs,
             progress=progress,
-            log=log,
+            log=(lambda row: logf.write(json.dumps(row) + "\n")) if logf is not None else None,
             outs={n: Path(o) for n, o in outs.items()},
             resume=resume,
             extra={**(extra or {}), "warm_start": str(warm_from) if warm_from else None},
             losses=losses,
         )
-    finally:
-        if logf is not None:
-            logf.close()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     secs = time.time() - t0
