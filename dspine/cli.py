@@ -496,6 +496,8 @@ def cmd_train(a) -> int:
 
 
 def cmd_serve(a) -> int:
+    from pathlib import Path
+
     from dspine.checkpoint import load_drafter
     from dspine.engine import Engine
     from dspine.serve.server import ServeConfig, serve
@@ -506,7 +508,8 @@ def cmd_serve(a) -> int:
     if a.max_batch < 1:
         raise UsageError("--max-batch must be >= 1")
     cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch)
-    serve(Engine(target, drafter), a.host, a.port, cfg, drafter_name=a.drafter)
+    name = "/".join(Path(a.drafter).resolve().parts[-2:]) if a.drafter else None  # no absolute path shown
+    serve(Engine(target, drafter), a.host, a.port, cfg, drafter_name=name)
     return 0
 
 

@@ -150,6 +150,15 @@ BAD = [
     ),
     ("stream not a boolean", {**CHAT, "stream": "yes"}, None, 400, "stream"),
     ("temperature as text", {**CHAT, "temperature": "0.5"}, None, 400, "temperature"),
+    ("max_tokens beyond the context", {**CHAT, "max_tokens": 1_000_000_000}, None, 400, "context window"),
+    ("n > 1", {**CHAT, "n": 2}, None, 400, "'n' is not supported"),
+    ("logprobs", {**CHAT, "logprobs": True, "top_logprobs": 2}, None, 400, "'logprobs' is not supported"),
+    ("presence_penalty", {**CHAT, "presence_penalty": 0.5}, None, 400, "'presence_penalty' is not supported"),
+    ("json response_format", {**CHAT, "response_format": {"type": "json_object"}}, None, 400, "response_format"),
+    ("legacy functions", {**CHAT, "functions": [{"name": "f", "parameters": {}}]}, None, 400, "'functions'"),
+    ("return_meta_info as text", {**CHAT, "return_meta_info": "yes"}, None, 400, "return_meta_info"),
+    ("50k-deep nesting", None, b"[" * 50_000, 400, "nested too deeply"),
+    ("lone surrogate", None, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "lone surrogate"),
 ]
 
 
@@ -254,3 +263,23 @@ def test_tool_calling_conversation_through_an_openai_client(server, smollm2, smo
     else:
         assert streamed == done.choices[0].message.content == want.text and not calls
     assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
+
+
+def test_unknown_paths_and_methods_answer_in_openais_error_shape(server):
+    for method, path, status in (("POST", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405)):
+        req = urllib.request.Request(server + path, b"{}" if method == "POST" else None, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == status and path in err["message"] and err["type"]
+    models = json.loads(get(server, "/v1/models"))["data"][0]
+    assert not models["drafter"].startswith("/")  # the checkpoint's folder name, not its absolute path
+    ok = {
+        **CHAT,
+        "max_tokens": 2,
+        "n": 1,
+        "logprobs": False,
+        "presence_penalty": 0,
+        "response_format": {"type": "text"},
+    }
+    assert post(server, "/v1/chat/completions", ok)[0] == 200  # "off" values of unsupported fields are fine

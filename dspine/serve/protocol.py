@@ -3,7 +3,9 @@
 Requests: chat messages with string content or lists of text parts, assistant messages whose content is null
 and that carry `tool_calls`, `tool` messages with a `tool_call_id`, `tools` and `tool_choice` (none / auto /
 required / a named function); unknown fields are ignored, as OpenAI-compatible servers do, but every known
-field is checked and a wrong one is named in the 400.
+field is checked and a wrong one is named in the 400. Known fields the engine does not implement yet (`n` > 1,
+`logprobs`, penalties, `logit_bias`, `response_format` other than text, legacy `functions`) are refused by name
+rather than silently ignored.
 
 Tools reach the target through its chat template when the template has a tools section (`tools=` is passed
 to it); otherwise they go into a system block (`tools_system_block`) in the Hermes/Qwen layout:
@@ -40,6 +42,7 @@ def _not_text(v):
 
 Int = Annotated[int, BeforeValidator(_not_text)]
 Float = Annotated[float, BeforeValidator(_not_text), Field(allow_inf_nan=False)]
+Bool = Annotated[bool, Field(strict=True)]
 
 
 class _Model(BaseModel):
@@ -121,17 +124,38 @@ class _Request(_Model):
     top_k: Annotated[Int, Field(ge=0)] | None = None
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
     seed: Annotated[int, Field(strict=True)] | None = None
-    stream: Annotated[bool, Field(strict=True)] = False
+    stream: Bool = False
     metadata: dict[str, Any] | None = None
     reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]
-    return_spec_tokens_details: bool = False
-    return_meta_info: bool = False
+    return_spec_tokens_details: Bool = False
+    return_meta_info: Bool = False
+    user: str | None = None
+    stream_options: dict[str, Any] | None = None  # usage always comes in the last chunk
+
+
+# Known OpenAI fields the engine does not implement yet: refused by name unless given a value that means "off"
+# (field -> that test), rather than silently ignored.
+UNSUPPORTED = {
+    "n": lambda v: v == 1,
+    "logprobs": lambda v: v is False,
+    "top_logprobs": lambda v: v == 0,
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "logit_bias": lambda v: v == {},
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "functions": lambda v: False,  # the legacy form of tools
+    "function_call": lambda v: False,
+    "echo": lambda v: v is False,
+    "best_of": lambda v: v == 1,
+    "suffix": lambda v: v == "",
+}
 
 
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
 
     @model_validator(mode="after")
     def _choice_names_a_tool(self):
@@ -213,6 +237,10 @@ class RequestInvalid(ValueError):
 def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
     if not isinstance(body, dict):
         raise RequestInvalid("the request body must be a JSON object", None)
+    for name, off in UNSUPPORTED.items():
+        if body.get(name) is not None and not off(body[name]):
+            raise RequestInvalid(f"'{name}' is not supported by this server yet (got {body[name]!r}); leave it out",
+                                 name)  # fmt: skip
     try:
         return (ChatRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as e:

@@ -198,7 +198,13 @@ class Service:
                 param=where,
                 code="context_length_exceeded",
             )
-        max_tokens = req.max_completion_tokens or req.max_tokens or 256
+        room = self.engine.target.info.max_position_embeddings - len(ids)  # the context window left
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is not None and max_tokens > room:  # refused, as OpenAI does, rather than clamped
+            key = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+            raise BadRequest(f"'{key}' is {max_tokens}, but the prompt's {len(ids)} tokens leave room for at most "
+                             f"{room} in the context window", param=key, code="context_length_exceeded")  # fmt: skip
+        max_tokens = max_tokens or min(256, room)
         stop = ([req.stop] if req.stop else []) if isinstance(req.stop, str) else list(req.stop or [])
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -402,26 +408,45 @@ async def sse(request, service: Service, st: Stream):
         await task  # the engine stops at its next token once `gone` is set
 
 
+def read_json(raw: bytes):
+    """A request body -> its JSON value, or BadRequest naming what is wrong with it."""
+    try:
+        body = json.loads(raw or b"null")
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate (\\ud800) cannot be encoded
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise BadRequest("the request body holds invalid Unicode (a lone surrogate)") from None
+    return body
+
+
 def create_app(service: Service):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.exceptions import HTTPException
 
     app = FastAPI(title="dspine", docs_url=None, redoc_url=None)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # unknown paths and methods, in OpenAI's shape
+        what = {
+            404: f"no such endpoint: {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }
+        return error(BadRequest(what.get(exc.status_code, str(exc.detail)), status=exc.status_code))
+
     def error(e: BadRequest) -> JSONResponse:
         service.metrics.errors.labels(str(e.status)).inc()
-        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        kind = {404: "not_found_error", 405: "method_not_allowed"}.get(e.status, "invalid_request_error")
         return JSONResponse(
             {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}, status_code=e.status
         )
 
     async def body_of(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        return read_json(await request.body())
 
     async def complete(request: Request, chat: bool):
         try:
