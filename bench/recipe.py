@@ -9,7 +9,7 @@ Several GPUs: `torchrun --nproc_per_node N bench/recipe.py --stage train ...` tr
 global batch split over the GPUs; same data and steps as one process — on 2 H200s a step took 0.19 s vs
 0.21 s on one, so raise train.batch_size with N); the other stages stay one process.
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
-Overrides: dotted keys of dspine.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
+Overrides: dotted keys of dspine.train.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
 """
 
 import argparse

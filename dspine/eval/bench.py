@@ -3,7 +3,7 @@ time of a speculative round split into its phases (draft forward incl. injection
 cache + walk, target verify, commit) from device-synchronised timing. AR always runs in the same call.
 
 At concurrency c > 1 the engine decodes groups of c requests together (engine.generate_batch) and reports
-throughput and τ; `--backend sglang` (sglang_bench.py) gives the same tables from SGLang servers.
+throughput and τ; `--backend sglang` (dspine/sglang/bench.py) gives the same tables from SGLang servers.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def write_proxy_files(cfg: ProxyConfig) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_text(
         work / f"{CALLBACKS_MODULE}.py",
-        '"""Written by `dspine proxy`: the hooks LiteLLM loads (see dspine/litellm_hooks.py)."""\n'
+        '"""Written by `dspine proxy`: the hooks LiteLLM loads (see dspine/serve/litellm_hooks.py)."""\n'
         "from dspine.serve.litellm_hooks import DSpineLogger, auth  # noqa: F401\n\n"
         "handler = DSpineLogger.from_env()\n",
     )
