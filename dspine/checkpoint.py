@@ -42,7 +42,6 @@ _TOP = (
     "is_causal",
 )
 _DFLASH = ("mask_token_id", "target_layer_ids")
-_DSPINE = DSPINE_SECTION
 _FIXED = {
     "architectures": [ARCH],
     "model_type": "qwen3",
@@ -68,7 +67,7 @@ _IGNORED = (
     "eos_token_id",
     "pad_token_id",
 )
-assert set(_TOP + _DFLASH + _DSPINE) == {f.name for f in fields(DSpineConfig)}
+assert set(_TOP + _DFLASH + DSPINE_SECTION) == {f.name for f in fields(DSpineConfig)}
 
 
 class CheckpointError(ValueError):
@@ -79,7 +78,7 @@ def config_to_json(cfg: DSpineConfig, dtype: torch.dtype = torch.float32) -> dic
     out = dict(_FIXED)
     out.update({k: getattr(cfg, k) for k in _TOP})
     out["dflash_config"] = {k: getattr(cfg, k) for k in _DFLASH}
-    out["dspine_config"] = {k: getattr(cfg, k) for k in _DSPINE}
+    out["dspine_config"] = {k: getattr(cfg, k) for k in DSPINE_SECTION}
     out["torch_dtype"] = str(dtype).replace("torch.", "")
     return out
 
@@ -95,7 +94,7 @@ def config_from_json(data: dict) -> DSpineConfig:
     for k in _IGNORED:
         data.pop(k, None)
     flat = {k: data.pop(k) for k in _TOP if k in data}
-    for section, keys in (("dflash_config", _DFLASH), ("dspine_config", _DSPINE)):
+    for section, keys in (("dflash_config", _DFLASH), ("dspine_config", DSPINE_SECTION)):
         sec = data.pop(section, {}) or {}
         unknown = sorted(set(sec) - set(keys))
         if unknown:
@@ -209,3 +208,13 @@ def load_at(
         setattr(d.config, k, v)
     d.config.validate()
     return d
+
+
+def load_models(target_spec: str, dtype: str, device: str, drafters: dict) -> tuple:
+    """-> (the target, {name: drafter bound to it}) from a target spec, a dtype name, a device and
+    {name: checkpoint folder, or (folder, decode knobs) as `load_at` takes}."""
+    from dspine.target import load_target
+
+    dt = getattr(torch, dtype)
+    target = load_target(target_spec, dtype=dt, device=device)
+    return target, {n: load_at(p, target, dt, device) for n, p in drafters.items()}

@@ -413,8 +413,7 @@ def cmd_generate(a) -> int:
 
 def cmd_regen(a) -> int:
     from dspine.target import load_target
-    from dspine.train.data import regenerate_dataset
-    from dspine.workloads import load_prompts
+    from dspine.train.data import regenerate_dataset, workload_items
 
     if a.prompts_file:
         items = []
@@ -424,7 +423,7 @@ def cmd_regen(a) -> int:
                     row = json.loads(line)
                     items.append((str(row.get("id", n)), row.get("prompt", "")))
     else:
-        items = [(f"{a.workload}/{i}", p) for i, p in enumerate(load_prompts(a.workload))]
+        items = workload_items(a.workload)
     items = items[: a.limit] if a.limit else items
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     rep = regenerate_dataset(
@@ -446,7 +445,7 @@ def cmd_train(a) -> int:
 
     from dspine.config import apply_overrides, from_dict
     from dspine.target import load_target
-    from dspine.train.data import load_samples, regenerate_prompts
+    from dspine.train.data import load_samples, regenerate_dataset, workload_items
     from dspine.train.loop import TrainConfig, init_distributed
     from dspine.train.run import DrafterSpec, run
 
@@ -465,8 +464,9 @@ def cmd_train(a) -> int:
         raise UsageError("under torchrun, regenerate first (`dspine regen`) and pass --data")
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     if pairs is None:  # regenerate a few prompts on the spot, into out/data
-        regenerate_prompts(
-            target, a.workload, a.num_prompts, out / "data", a.max_new_tokens, progress=not a.no_progress
+        items = workload_items(a.workload, limit=a.num_prompts, max_chars=600)
+        regenerate_dataset(
+            target, items, out / "data", max_new_tokens=a.max_new_tokens, batch_size=8, progress=not a.no_progress
         )
         pairs = load_samples(out / "data")
     out.mkdir(parents=True, exist_ok=True)
@@ -579,11 +579,9 @@ def _drafter_specs(items: list[str]) -> dict[str, str]:
 
 def _load_models(a, specs: dict[str, str]):
     """The target of --target/--dtype/--device and the named drafters bound to it."""
-    from dspine.checkpoint import load_drafter
-    from dspine.target import load_target
+    from dspine.checkpoint import load_models
 
-    target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
-    return target, {n: load_drafter(p, target, dtype=_dtype(a.dtype), device=a.device) for n, p in specs.items()}
+    return load_models(a.target, a.dtype, a.device, specs)
 
 
 def cmd_bench(a) -> int:

@@ -16,13 +16,18 @@ from pathlib import Path
 
 import torch
 
-from dspine.checkpoint import config_to_json, load_at
+from dspine.checkpoint import config_to_json, load_models
 from dspine.engine import Engine
 from dspine.io import atomic_write_text, json_text, md_table, provenance
 from dspine.plots import line_panels
 from dspine.sampling import SamplingParams
 from dspine.stats import AcceptanceStats, group_by, summarize
 from dspine.workloads import load_benchmark
+
+
+def temperature_key(T: float) -> str:
+    """How a temperature is keyed in evaluation documents ("T0", "T0.7"); `temperatures` maps keys back."""
+    return f"T{T:g}"
 
 
 def config_hash(drafter) -> str:
@@ -51,7 +56,7 @@ def eval_item(engines: dict, item, temperatures: list[float], max_new_tokens: in
             t0 = time.perf_counter()
             toks, stats = run_item(eng, item.turns, SamplingParams(max_tokens=max_new_tokens, temperature=T, seed=seed))
             cell[name] = (toks, stats, time.perf_counter() - t0)
-        out[f"T{T:g}"] = cell
+        out[temperature_key(T)] = cell
     return out
 
 
@@ -108,7 +113,7 @@ def evaluate(
         n = sum(1 for b, _, _ in units if b == bench)
         results[bench] = {}
         for T in temperatures:
-            key = f"T{T:g}"
+            key = temperature_key(T)
             rows = [per_item[bench, i][key] for i in range(n)]
             cell = {
                 "ar": {
@@ -133,7 +138,7 @@ def evaluate(
     return {
         "results": results,
         "means": benchmark_means(results),
-        "temperatures": {f"T{T:g}": T for T in temperatures},
+        "temperatures": {temperature_key(T): T for T in temperatures},
         **provenance(),
         "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
         "limit": limit,
@@ -206,18 +211,15 @@ _ENGINES: dict = {}
 def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int, counter) -> None:
     """Load the models once per worker; with device "cuda" and several visible GPUs, worker i takes GPU
     i mod count (the requests are independent, so any spread gives the same results)."""
-    from dspine.target import load_target
-
     torch.set_num_threads(threads)
     spec, dtype, device = target_spec
     with counter.get_lock():
         index, counter.value = counter.value, counter.value + 1
     if device == "cuda" and torch.cuda.device_count() > 1:
         torch.cuda.set_device(index % torch.cuda.device_count())
-    target = load_target(spec, dtype=getattr(torch, dtype), device=device)
+    target, drafters = load_models(spec, dtype, device, drafter_paths)
     _ENGINES["ar"] = Engine(target)
-    for n, p in drafter_paths.items():
-        _ENGINES[n] = Engine(target, load_at(p, target, getattr(torch, dtype), device))
+    _ENGINES.update({n: Engine(target, d) for n, d in drafters.items()})
 
 
 def _worker_item(item, temperatures, max_new_tokens, seed):

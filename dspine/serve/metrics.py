@@ -31,7 +31,7 @@ class AcceptanceMetrics:
         self.latency = Histogram(f"{prefix}_request_seconds", "request latency", labels, registry=reg)
 
     def observe(self, rec: RequestRecord) -> None:
-        lab = [str(getattr(rec, k) if getattr(rec, k) is not None else "none") for k in self.labels]
+        lab = [str(v) if (v := getattr(rec, k)) is not None else "none" for k in self.labels]
         self.requests.labels(*lab).inc()
         if rec.completion_tokens:
             self.tokens.labels(*lab).inc(rec.completion_tokens)

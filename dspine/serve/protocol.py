@@ -280,12 +280,16 @@ def tools_system_block(tools: list[Tool], tool_choice) -> str:
     return text
 
 
-def _call_block(c: ToolCall) -> str:
+def _arguments(c: ToolCall):
+    """A call's arguments as the object they encode (the client's text when it is not JSON)."""
     try:
-        args = json.loads(c.function.arguments)
+        return json.loads(c.function.arguments)
     except json.JSONDecodeError:
-        args = c.function.arguments
-    return "<tool_call>\n" + json.dumps({"name": c.function.name, "arguments": args}) + "\n</tool_call>"
+        return c.function.arguments
+
+
+def _call_block(c: ToolCall) -> str:
+    return "<tool_call>\n" + json.dumps({"name": c.function.name, "arguments": _arguments(c)}) + "\n</tool_call>"
 
 
 def template_messages(req: ChatRequest, native_tools: bool) -> tuple[list[dict], dict]:
@@ -301,7 +305,7 @@ def template_messages(req: ChatRequest, native_tools: bool) -> tuple[list[dict],
                     {
                         "type": "function",
                         "id": c.id,
-                        "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")},
+                        "function": {"name": c.function.name, "arguments": _arguments(c)},
                     }
                     for c in m.tool_calls
                 ]
@@ -333,7 +337,13 @@ _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
 
 
-def _one_call(obj, names: set[str] | None) -> dict | None:
+def _one_call(raw: str, names: set[str] | None) -> dict | None:
+    """JSON text of one call -> an OpenAI tool call, or None when it is not a well-formed call of an offered
+    function."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -357,26 +367,13 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | No
     offered functions (a call to any other is not a call)."""
     blocks = list(_BLOCK.finditer(text))
     if blocks:
-        calls = []
-        for b in blocks:
-            try:
-                call = _one_call(json.loads(b.group(1).strip()), names)
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return text, []
-            calls.append(call)
-        rest = _BLOCK.sub("", text).strip()
-        return rest or None, calls
+        calls = [_one_call(b.group(1), names) for b in blocks]
+        if None in calls:
+            return text, []
+        return _BLOCK.sub("", text).strip() or None, calls
     stripped = text.strip()
-    if stripped.startswith("{") and stripped.endswith("}"):
-        try:
-            call = _one_call(json.loads(stripped), names)
-        except json.JSONDecodeError:
-            call = None
-        if call is not None and names is not None:
-            return None, [call]
-    return text, []
+    call = _one_call(stripped, names) if names is not None and stripped.startswith("{") else None
+    return (None, [call]) if call is not None else (text, [])
 
 
 def streamable_prefix(text: str) -> str:

@@ -7,7 +7,7 @@ the per-slot histogram through stats.AcceptanceStats, never stored apart from it
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from dspine.stats import AcceptanceStats
 
@@ -37,33 +37,20 @@ class RequestRecord:
 
     @property
     def tau(self) -> float | None:
-        return self.stats.tau if self.accept_hist else None
+        st = self.stats
+        return st.tau if st else None
 
     @property
     def verify_rounds(self) -> int | None:
-        return self.stats.rounds if self.accept_hist else None
+        st = self.stats
+        return st.rounds if st else None
 
     def spec(self) -> dict | None:
         """SGLang's acceptance fields (meta_info / sglext.spec_tokens_details), None for AR."""
-        return self.stats.sglang_meta() if self.accept_hist else None
+        st = self.stats
+        return st.sglang_meta() if st else None
 
     def to_json(self) -> dict:
-        return {
-            **asdict(self),
-            "id": self.request_id,
-            "tau": self.tau,
-            "verify_rounds": self.verify_rounds,
-            "spec": self.spec(),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict, **overrides) -> RequestRecord:
-        """A record from `to_json` output (or a store row); derived fields are recomputed, unknown keys dropped.
-        An SGLang `spec` without the histogram's own key is read through its histogram."""
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
-        kw.setdefault("request_id", d.get("id"))
-        if kw.get("accept_hist") is None and isinstance(d.get("spec"), dict):
-            kw["accept_hist"] = d["spec"].get("spec_correct_drafts_histogram")
-        kw.update(overrides)
-        return cls(**kw)
+        spec = self.spec()
+        tau, rounds = (spec["spec_accept_length"], spec["spec_verify_ct"]) if spec else (None, None)
+        return {**asdict(self), "id": self.request_id, "tau": tau, "verify_rounds": rounds, "spec": spec}

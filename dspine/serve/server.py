@@ -349,13 +349,10 @@ class Stream:
         return self.content(out)
 
     def finish(self, rec: RequestRecord) -> list[str]:
-        content, calls, finish = (
-            self.service.reply(self.req, rec.text, rec.finish_reason)
-            if self.chat
-            else (rec.text, [], rec.finish_reason)
-        )
+        # completions never carry tools, so their text comes back whole
+        content, calls, finish = self.service.reply(self.req, rec.text, rec.finish_reason)
         out = []
-        rest = (content or "") if calls else rec.text
+        rest = content or ""
         if len(rest) > len(self.sent) and rest.startswith(self.sent):
             out.append(self.content(rest[len(self.sent) :]))
         for i, c in enumerate(calls):

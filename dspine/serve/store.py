@@ -74,10 +74,8 @@ class AcceptanceStore:
         db.execute("PRAGMA busy_timeout=30000")
         return db
 
-    def append(self, rec: RequestRecord | dict) -> bool:
-        """Insert one record (a dict is read by RequestRecord.from_json). False when its id is already there."""
-        if isinstance(rec, dict):
-            rec = RequestRecord.from_json(rec)
+    def append(self, rec: RequestRecord) -> bool:
+        """Insert one record. False when its request id is already there."""
         row = {c: getattr(rec, c) for c in COLUMNS}
         row["stream"] = int(bool(row["stream"]))
         if row["accept_hist"] is not None:
@@ -109,19 +107,20 @@ class AcceptanceStore:
         rows = self.rows(since)
         cells = []
         by_cell = group_by(((r["workload"], r["thinking"]), _stats(r)) for r in rows)
+        latency: dict = {}
+        for r in rows:
+            if r["latency_s"] is not None:
+                latency.setdefault((r["workload"], r["thinking"]), []).append(r["latency_s"])
         for (w, t), g in sorted(by_cell.items()):
-            lat = [
-                r["latency_s"] for r in rows if (r["workload"], r["thinking"]) == (w, t) and r["latency_s"] is not None
-            ]
             cells.append(
                 {
                     "workload": w,
                     "thinking": t,
                     "requests": g["items"],
-                    "tau_mean": g["tau_mean"] if g["requests"] else None,
-                    "tau_pooled": g["tau_pooled"] if g["requests"] else None,
+                    "tau_mean": _measured(g, "tau_mean"),
+                    "tau_pooled": _measured(g, "tau_pooled"),
                     "per_slot": g["per_slot"],
-                    "latency_p50_s": quantile(lat, 0.5),
+                    "latency_p50_s": quantile(latency.get((w, t), []), 0.5),
                 }
             )
         series = []
@@ -134,10 +133,15 @@ class AcceptanceStore:
                         "t": start,
                         "requests": g["items"],
                         "requests_per_s": g["items"] / bucket_s,
-                        "tau_mean": g["tau_mean"] if g["requests"] else None,
+                        "tau_mean": _measured(g, "tau_mean"),
                     }
                 )
         return {"requests": len(rows), "cells": cells, "series": series, "bucket_s": bucket_s, "generated": time.time()}
+
+
+def _measured(group: dict, key: str) -> float | None:
+    """A τ figure of a group, None where no request in it had verify rounds (AR or not found)."""
+    return group[key] if group["requests"] else None
 
 
 def _stats(r: dict) -> AcceptanceStats | None:

@@ -33,8 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from dspine.config import ConfigError
 from dspine.io import provenance, update_summary
 from dspine.process import free_port, wait_http
@@ -432,7 +430,8 @@ def parse_server_env(items: list[str], names: list[str]) -> dict[str, dict[str, 
     return env
 
 
-def _check(cfg: SGLangBenchConfig, specs: dict[str, str], conc: list[int]) -> None:
+def _check(cfg: SGLangBenchConfig, specs: dict[str, str], conc: list[int]) -> dict[str, dict[str, str]]:
+    """Every option checked before anything starts -> the per-server environment."""
     if 1 not in conc:
         raise ConfigError("--concurrency must include 1: τ per benchmark and the round cost are measured there")
     if cfg.summary and not {"dspine", "dflash"} <= set(specs):
@@ -442,22 +441,22 @@ def _check(cfg: SGLangBenchConfig, specs: dict[str, str], conc: list[int]) -> No
     agree = cfg.agreement_drafters if cfg.engine_agreement else []
     if set(agree) - set(specs):
         raise ConfigError(f"--agreement-drafters {sorted(set(agree) - set(specs))} are not among the --drafter names")
-    parse_server_env(cfg.server_env, ["ar", *specs])
+    env = parse_server_env(cfg.server_env, ["ar", *specs])
     if importlib.util.find_spec("sglang") is None:
         raise ConfigError("--backend sglang needs SGLang: pip install 'dspine[sglang]' (on a CUDA machine)")
+    return env
 
 
 def run_sglang_bench(cfg: SGLangBenchConfig, benches: list[str], specs: dict[str, str], conc: list[int]) -> dict:
     """Start the servers, measure, optionally replay with dspine's engine and rewrite the summary -> the doc."""
     from transformers import AutoTokenizer
 
-    from dspine.checkpoint import load_drafter
+    from dspine.checkpoint import load_models
     from dspine.eval.acceptance import replay
-    from dspine.target import load_target, resolve_target_path
+    from dspine.target import resolve_target_path
     from dspine.workloads import load_benchmark
 
-    _check(cfg, specs, conc)
-    server_env = parse_server_env(cfg.server_env, ["ar", *specs])
+    server_env = _check(cfg, specs, conc)
     path = resolve_target_path(cfg.target)
     out_dir = Path(cfg.out).parent if cfg.out else Path(tempfile.mkdtemp(prefix="dspine-sglang-"))
     items = [(b, it) for b in benches for it in load_benchmark(b, cfg.limit)]
@@ -477,11 +476,9 @@ def run_sglang_bench(cfg: SGLangBenchConfig, benches: list[str], specs: dict[str
     )
     if cfg.engine_agreement:
         sub = {n: specs[n] for n in cfg.agreement_drafters}
-        target, drafters = None, {}
-        if cfg.engine_agreement <= 1:  # worker processes load their own models
-            dtype = getattr(torch, cfg.dtype)
-            target = load_target(cfg.target, dtype=dtype, device=cfg.device)
-            drafters = {n: load_drafter(p, target, dtype=dtype, device=cfg.device) for n, p in sub.items()}
+        # worker processes load their own models; only a single-process replay needs them here
+        single = cfg.engine_agreement <= 1
+        target, drafters = load_models(cfg.target, cfg.dtype, cfg.device, sub) if single else (None, {})
         jobs = replay_jobs(doc, list(sub))
         res = replay(
             target,

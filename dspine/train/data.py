@@ -195,27 +195,11 @@ def regenerate_dataset(
     return report
 
 
-def regenerate_prompts(
-    target: Target,
-    workload: str,
-    limit: int,
-    out: str | Path,
-    max_new_tokens: int,
-    batch_size: int = 8,
-    progress: bool = True,
-) -> RegenReport:
-    """The first `limit` prompts of a workload pool (at most 600 characters each) regenerated into `out`."""
+def workload_items(workload: str, limit: int | None = None, max_chars: int | None = None) -> list[tuple[str, str]]:
+    """(id, prompt) of a workload's prompts (`dspine.workloads.load_prompts`), ids "<workload>/<index>"."""
     from dspine.workloads import load_prompts
 
-    prompts = load_prompts(workload, limit=limit, max_chars=600)
-    return regenerate_dataset(
-        target,
-        [(f"{workload}/{i}", p) for i, p in enumerate(prompts)],
-        out,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        progress=progress,
-    )
+    return [(f"{workload}/{i}", p) for i, p in enumerate(load_prompts(workload, limit=limit, max_chars=max_chars))]
 
 
 def load_samples(path: str | Path, min_response: int = 1) -> list[tuple[list[int], int]]:

@@ -22,17 +22,17 @@ from pathlib import Path
 
 import torch
 
-from dspine.checkpoint import load_at
+from dspine.checkpoint import load_models
 from dspine.drafter import DSpineConfig
 from dspine.eval.acceptance import evaluate, write_results
 from dspine.io import atomic_write_text
 from dspine.methods import VARIANTS
 from dspine.target import load_target
-from dspine.train.data import load_samples, regenerate_dataset
+from dspine.train.data import load_samples, regenerate_dataset, workload_items
 from dspine.train.loop import TrainConfig, init_distributed
 from dspine.train.losses import loss_kw
 from dspine.train.run import DrafterSpec, run
-from dspine.workloads import BENCHMARKS, load_prompts
+from dspine.workloads import BENCHMARKS
 
 Ablation = DrafterSpec  # a named variant of the recipe: method + drafter-config and loss overrides
 
@@ -133,11 +133,11 @@ def run_regen_stage(cfg: RecipeConfig, work: str | Path, target=None, progress: 
     if target is None:
         target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     load_s = time.time() - t0  # ~0 when the caller loaded the target (run_train_stage reports its own)
-    prompts = load_prompts(cfg.workload, limit=cfg.num_prompts, max_chars=2000)
+    items = workload_items(cfg.workload, limit=cfg.num_prompts, max_chars=2000)
     t0 = time.time()
     rep = regenerate_dataset(
         target,
-        [(f"{cfg.workload}/{i}", p) for i, p in enumerate(prompts)],
+        items,
         work / "data",
         max_new_tokens=cfg.max_new_tokens,
         batch_size=cfg.regen_batch,
@@ -207,12 +207,10 @@ def _barrier() -> None:
 
 def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, progress: bool = True) -> dict:
     work = Path(work)
-    dtype = getattr(torch, cfg.dtype)
-    target = load_target(cfg.target, dtype=dtype, device=cfg.device)
     names = [*cfg.methods, *(cfg.ablations if cfg.eval_ablations else [])]
     specs: dict = {m: str(work / m / "best") for m in names}
     specs.update({f"dspine_k{k}": (specs["dspine"], {"top_k": k}) for k in cfg.eval_top_k})
-    drafters = {m: load_at(p, target, dtype, cfg.device) for m, p in specs.items()}
+    target, drafters = load_models(cfg.target, cfg.dtype, cfg.device, specs)
     doc = evaluate(
         target,
         drafters,

@@ -45,16 +45,20 @@ def split_heldout(samples: list[Sample], heldout: int, seed: int, max_len: int) 
     return pairs[heldout:], pairs[:heldout]
 
 
-def warm_start(drafter: DSpineDraftModel, checkpoint: str | Path, target) -> int:
-    """Copy the weights of `checkpoint` whose names and shapes fit `drafter` (weights only: optimizer, step
-    and schedule start afresh) -> the number of tensors copied; none fitting is an error."""
-    src = load_drafter(checkpoint, target)
-    mine = drafter.state_dict()
-    shared = {k: v for k, v in src.state_dict().items() if k in mine and v.shape == mine[k].shape}
-    if not shared:
-        raise CheckpointError(f"warm start from {checkpoint}: no weights fit this drafter")
-    drafter.load_state_dict(shared, strict=False)
-    return len(shared)
+def warm_start(drafters: list[DSpineDraftModel], checkpoint: str | Path, target) -> list[int]:
+    """Copy the weights of `checkpoint` (read once) whose names and shapes fit each drafter (weights only:
+    optimizer, step and schedule start afresh) -> the number of tensors copied into each; none fitting is an
+    error."""
+    src = load_drafter(checkpoint, target).state_dict()
+    copied = []
+    for drafter in drafters:
+        mine = drafter.state_dict()
+        shared = {k: v for k, v in src.items() if k in mine and v.shape == mine[k].shape}
+        if not shared:
+            raise CheckpointError(f"warm start from {checkpoint}: no weights fit this drafter")
+        drafter.load_state_dict(shared, strict=False)
+        copied.append(len(shared))
+    return copied
 
 
 def build_drafters(
@@ -98,9 +102,9 @@ def run(
     if not train_pairs or not eval_pairs:
         raise ConfigError(f"{len(samples)} samples are too few for a held-out set of {heldout} and a training set")
     drafters = build_drafters(target, specs, layers, block_size, cfg.seed, dtype, device)
+    if warm_from:
+        warm_start(list(drafters.values()), warm_from, target)
     for d in drafters.values():
-        if warm_from:
-            warm_start(d, warm_from, target)
         d.bind(target)
     losses = {n: s.loss for n, s in specs.items()}
     if before is None:
