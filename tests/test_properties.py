@@ -218,7 +218,7 @@ def test_recipe_config_rejects_bad_ablations():
 
 def test_a_checkpoint_decodes_with_another_walk_width(tmp_path):
     """`load_at`: the transition cache's width is a decode-time setting (other settings are refused)."""
-    from dspine.eval.acceptance import load_at
+    from dspine.checkpoint import load_at
 
     target = tiny_target("llama")
     path = save_drafter(DSpineDraftModel.for_target(target, num_hidden_layers=1, block_size=4, top_k=8), tmp_path / "d")
