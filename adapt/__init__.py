@@ -1,1 +1,2 @@
-"""Adaptation (to come): Ray jobs that collect agent traces, fine-tune, replay, gate and deploy drafters."""
+"""Adaptation: Ray jobs over agent traces. `collect.py` (collection.py) collects them; fine-tuning, replay, gating and
+deployment are to come."""

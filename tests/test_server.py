@@ -95,6 +95,23 @@ def test_streaming_matches_non_streaming(server):
     assert rec["spec"] == last["sglext"]["spec_tokens_details"]
 
 
+def test_token_ids_on_request(server, smollm2):
+    """return_token_ids: the exact ids the target saw and produced, whole and streamed, and in the record."""
+    _, body, _ = post(server, "/v1/chat/completions", {**CHAT, "return_token_ids": True})
+    j = json.loads(body)
+    assert j["prompt_token_ids"] == smollm2.chat_ids(CHAT["messages"])
+    ids = j["choices"][0]["token_ids"]
+    assert len(ids) == j["usage"]["completion_tokens"] and smollm2.decode(ids) == j["choices"][0]["message"]["content"]
+    rec = json.loads(get(server, f"/v1/dspine/requests/{j['id']}"))
+    assert rec["prompt_token_ids"] == j["prompt_token_ids"] and rec["completion_token_ids"] == ids
+    _, body, _ = post(server, "/v1/chat/completions", {**CHAT, "stream": True, "return_token_ids": True})
+    events = [json.loads(x[6:]) for x in body.splitlines() if x.startswith("data: {")]
+    assert events[-1]["choices"][0]["token_ids"] == ids and events[-1]["prompt_token_ids"] == j["prompt_token_ids"]
+    assert all("token_ids" not in e["choices"][0] for e in events[:-1])
+    _, plain, _ = post(server, "/v1/chat/completions", CHAT)
+    assert "token_ids" not in plain
+
+
 def test_streaming_with_stop_string(server):
     body = {**CHAT, "max_tokens": 40, "stop": [","]}
     _, full, _ = post(server, "/v1/chat/completions", body)

@@ -129,6 +129,7 @@ class _Request(_Model):
     reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]
     return_spec_tokens_details: Bool = False
     return_meta_info: Bool = False
+    return_token_ids: Bool = False  # vLLM's field: prompt_token_ids (top level) and token_ids (per choice)
     user: str | None = None
     stream_options: dict[str, Any] | None = None  # usage always comes in the last chunk
 
@@ -191,12 +192,14 @@ class ChatChoice(_Model):
     index: int
     message: AssistantMessage
     finish_reason: str | None
+    token_ids: list[int] | None = None
 
 
 class TextChoice(_Model):
     index: int
     text: str
     finish_reason: str | None
+    token_ids: list[int] | None = None
 
 
 class Delta(_Model):
@@ -209,6 +212,7 @@ class DeltaChoice(_Model):
     index: int
     delta: Delta
     finish_reason: str | None
+    token_ids: list[int] | None = None  # on the last chunk, with return_token_ids
 
 
 class Completion(_Model):
@@ -221,6 +225,7 @@ class Completion(_Model):
     model: str
     choices: list[ChatChoice | TextChoice | DeltaChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
 
     def dump(self) -> dict:
         return self.model_dump(exclude_unset=True)

@@ -30,6 +30,9 @@ class RequestRecord:
     source: str | None = None  # where the acceptance came from: engine, backend_record, response
     batch_size: int | None = None
     text: str | None = None
+    # the exact ids the target saw and produced, kept when the request asked for them (return_token_ids)
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
 
     @property
     def stats(self) -> AcceptanceStats | None:

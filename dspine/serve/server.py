@@ -13,6 +13,7 @@ its own row at the next token.
 """
 
 import asyncio
+import hashlib
 import json
 import queue
 import threading
@@ -81,6 +82,7 @@ class Parsed:
     workload: str
     details: bool
     meta_info: bool
+    token_ids: bool
     tool_names: set[str] | None  # the offered functions; None: no tools, the reply is plain content
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
@@ -168,6 +170,8 @@ class Service:
         self.metrics = ServerMetrics()
         tgt = engine.target
         self.max_prompt = self.cfg.max_prompt_tokens or tgt.info.max_position_embeddings - 1
+        template = getattr(tgt.tokenizer, "chat_template", None)
+        self.template_sha256 = hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None
 
     # ---- parsing ---------------------------------------------------------------------------------------
     def parse(self, body, chat: bool) -> Parsed:
@@ -223,6 +227,7 @@ class Service:
             workload=str(meta.get("workload", "default")),
             details=req.return_spec_tokens_details,
             meta_info=req.return_meta_info,
+            token_ids=req.return_token_ids,
             tool_names={t.function.name for t in tools} if tools else None,
         )
 
@@ -263,6 +268,8 @@ class Service:
             source="engine" if res.stats is not None else None,
             batch_size=res.batch_size,
             text=res.text,
+            prompt_token_ids=list(req.ids) if req.token_ids else None,
+            completion_token_ids=list(res.token_ids) if req.token_ids else None,
         )
         self.records[rec.request_id] = rec
         while len(self.records) > self.cfg.max_records:
@@ -283,7 +290,13 @@ class Service:
                 "completion_tokens": rec.completion_tokens,
                 "reasoning_effort": rec.thinking,
             }
+        if req.token_ids:
+            out["prompt_token_ids"] = rec.prompt_token_ids
         return out
+
+    @staticmethod
+    def choice_ids(req: Parsed, rec: RequestRecord) -> dict:
+        return {"token_ids": rec.completion_token_ids} if req.token_ids else {}
 
     def reply(self, req: Parsed, text: str, finish_reason: str) -> tuple[str | None, list[dict], str]:
         """(content, tool_calls, finish_reason) of a finished generation."""
@@ -296,9 +309,9 @@ class Service:
         if chat:
             content, calls, finish = self.reply(req, rec.text, rec.finish_reason)
             message = AssistantMessage(role="assistant", content=content, **({"tool_calls": calls} if calls else {}))
-            choice = ChatChoice(index=0, message=message, finish_reason=finish)
+            choice = ChatChoice(index=0, message=message, finish_reason=finish, **self.choice_ids(req, rec))
         else:
-            choice = TextChoice(index=0, text=rec.text, finish_reason=rec.finish_reason)
+            choice = TextChoice(index=0, text=rec.text, finish_reason=rec.finish_reason, **self.choice_ids(req, rec))
         return Completion(id=rec.request_id, object="chat.completion" if chat else "text_completion",
                           created=int(rec.ts), model=rec.model, choices=[choice], usage=usage(rec),
                           **self.extras(req, rec)).dump()  # fmt: skip
@@ -321,11 +334,12 @@ class Stream:
         self.sent = ""
         self.created = int(time.time())
 
-    def chunk(self, delta: dict | None = None, text: str | None = None, finish=None, usage=None, extra=None) -> str:
+    def chunk(self, delta: dict | None = None, text: str | None = None, finish=None, usage=None, extra=None,
+              ids: dict | None = None) -> str:  # fmt: skip
         if self.chat:
-            choice = DeltaChoice(index=0, delta=Delta(**(delta or {})), finish_reason=finish)
+            choice = DeltaChoice(index=0, delta=Delta(**(delta or {})), finish_reason=finish, **(ids or {}))
         else:
-            choice = TextChoice(index=0, text=text or "", finish_reason=finish)
+            choice = TextChoice(index=0, text=text or "", finish_reason=finish, **(ids or {}))
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         done = {"usage": usage} if usage is not None else {}
         doc = Completion(id=self.req.id, object=obj, created=self.created, model=self.service.cfg.model_name,
@@ -357,7 +371,8 @@ class Stream:
             out.append(self.content(rest[len(self.sent) :]))
         for i, c in enumerate(calls):
             out.append(self.chunk({"role": "assistant", "tool_calls": [{"index": i, **c}]}))
-        out.append(self.chunk(None, None, finish, usage(rec), self.service.extras(self.req, rec)))
+        extras, ids = self.service.extras(self.req, rec), self.service.choice_ids(self.req, rec)
+        out.append(self.chunk(None, None, finish, usage(rec), extras, ids))
         out.append("data: [DONE]\n\n")
         return out
 
@@ -481,6 +496,8 @@ def create_app(service: Service):
                     "owned_by": "dspine",
                     "drafter": service.drafter_name,
                     "method": service.engine.method,
+                    "target": service.engine.target.name,
+                    "chat_template_sha256": service.template_sha256,
                 }
             ],
         }

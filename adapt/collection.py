@@ -1,0 +1,234 @@
+"""Collecting agent traces as a Ray job: plan, check, run episodes as Ray tasks, keep accounts.
+
+The plan is deterministic: for each workload × thinking level, episode i runs task i mod T (tasks in an order
+fixed by the seed) as repetition i div T, and its id is derived from workload, task, level and repetition
+(agents.base.episode_id). So a re-run skips what is already written, a retried task overwrites its own shard,
+and nothing is ever written twice. Episodes run as Ray tasks (`max_retries`, retried on worker death and on
+errors), at most `concurrency` at a time; what still fails after its retries is written to failures/ with its
+reason, and the accounts add up: ok + failed + skipped == requested.
+
+Everything a user can get wrong is checked before Ray starts (`check`): unknown workloads or levels, a
+non-positive episode count, an endpoint that does not answer, an output directory that cannot be written, an
+output directory holding a collection of another configuration.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dspine.agents.base import LEVELS, AgentConfig, endpoint_info, episode_id, litellm_quiet
+from dspine.agents.sandbox import JailLimits
+from dspine.agents.traces import Store, shard
+from dspine.io import md_table
+
+WORKLOADS = ("swe", "tool", "office")
+# a different value of any of these makes a different collection (the endpoint may move)
+IDENTITY = ("workloads", "levels", "episodes", "seed", "model", "max_turns", "max_tokens", "max_episode_tokens",
+            "temperature")  # fmt: skip
+
+
+class CollectError(ValueError):
+    """Bad input, found before any work is submitted."""
+
+
+@dataclass
+class CollectConfig:
+    endpoint: str
+    out: str
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
+    levels: list[str] = field(default_factory=lambda: ["low", "high"])
+    episodes: int = 1  # per workload × level
+    model: str | None = None  # default: the endpoint's first model
+    api_key: str = "none"
+    concurrency: int = 4
+    retries: int = 2
+    seed: int = 0
+    max_turns: int = 8
+    max_tokens: int = 256
+    max_episode_tokens: int = 4096
+    wall_s: float = 600.0
+    temperature: float = 0.0
+    tool_wall_s: float = 30.0
+    scratch: str = ""  # where episode directories live on each worker (default: the system temp dir)
+
+    def identity(self) -> dict:
+        return {k: getattr(self, k) for k in IDENTITY}
+
+    def agent(self) -> AgentConfig:
+        return AgentConfig(endpoint=self.endpoint, model=self.model or "dspine", api_key=self.api_key,
+                           max_turns=self.max_turns, max_tokens=self.max_tokens,
+                           max_episode_tokens=self.max_episode_tokens, wall_s=self.wall_s,
+                           temperature=self.temperature, tool_limits=JailLimits(wall_s=self.tool_wall_s))  # fmt: skip
+
+
+def harness(name: str):
+    if name == "swe":
+        from dspine.agents.swe import SweHarness
+
+        return SweHarness()
+    if name == "tool":
+        from dspine.agents.tau import TauHarness
+
+        return TauHarness()
+    if name == "office":
+        from dspine.agents.office import OfficeHarness
+
+        return OfficeHarness()
+    raise CollectError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
+
+
+def plan(cfg: CollectConfig) -> list[dict]:
+    out = []
+    for w in cfg.workloads:
+        tasks = harness(w).tasks()
+        random.Random(f"{cfg.seed}/{w}").shuffle(tasks)
+        for level in cfg.levels:
+            for i in range(cfg.episodes):
+                t = tasks[i % len(tasks)]
+                rep = i // len(tasks)
+                out.append({"episode_id": episode_id(w, t.id, level, rep), "workload": w, "task_id": t.id,
+                            "level": level, "rep": rep})  # fmt: skip
+    return out
+
+
+def check(cfg: CollectConfig) -> dict:
+    """Validates everything before work is submitted -> the endpoint's model info. Raises CollectError."""
+    bad = [w for w in cfg.workloads if w not in WORKLOADS]
+    if bad or not cfg.workloads:
+        raise CollectError(f"unknown workload(s) {bad or '(none given)'}; choose from {', '.join(WORKLOADS)}")
+    bad = [x for x in cfg.levels if x not in LEVELS]
+    if bad or not cfg.levels:
+        raise CollectError(f"unknown thinking level(s) {bad or '(none given)'}; choose from {', '.join(LEVELS)}")
+    for name in ("episodes", "concurrency", "max_turns", "max_tokens"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+            raise CollectError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
+    if cfg.retries < 0:
+        raise CollectError(f"--retries must be 0 or more, got {cfg.retries}")
+    try:
+        info = endpoint_info(cfg.endpoint, cfg.api_key)
+    except ConnectionError as e:
+        raise CollectError(str(e)) from None
+    cfg.model = cfg.model or info.get("id")
+    try:
+        st = Store(cfg.out)
+        st.write_bytes(b"ok", "_tmp", "probe")
+        st.delete("_tmp", "probe")
+    except Exception as e:
+        raise CollectError(f"cannot write the output directory {cfg.out!r}: {e}") from None
+    if st.exists("config.json"):
+        old = st.read_json("config.json").get("identity", {})
+        diff = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
+        if diff:
+            raise CollectError(
+                f"{cfg.out!r} holds a collection of another configuration ({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "  # noqa: E501
+                "use another --out"
+            )
+    return info
+
+
+def run_episode(spec: dict, cfg_dict: dict, info: dict) -> dict:
+    """One episode, on a Ray worker (or inline): runs it, writes its shard and summary -> the summary."""
+    litellm_quiet()
+    cfg = CollectConfig(**cfg_dict)
+    h = harness(spec["workload"])
+    task = next(t for t in h.tasks() if t.id == spec["task_id"])
+    scratch = Path(cfg.scratch or tempfile.gettempdir()) / "dspine-episodes" / spec["episode_id"]
+    try:
+        res = h.run(cfg.agent(), task, spec["level"], spec["episode_id"], scratch, info)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    st = Store(cfg.out)
+    st.write_rows(res.rows, *shard(spec["workload"], spec["episode_id"]))
+    summary = {**res.summary(), "rep": spec["rep"], "worker_pid": __import__("os").getpid()}
+    st.write_json(summary, "episodes", f"{spec['episode_id']}.json")
+    st.delete("failures", f"{spec['episode_id']}.json")
+    return summary
+
+
+def done(st: Store, spec: dict) -> bool:
+    return st.exists("episodes", f"{spec['episode_id']}.json") and st.exists(
+        *shard(spec["workload"], spec["episode_id"])
+    )
+
+
+def collect(cfg: CollectConfig, dry_run: bool = False, progress: bool = True) -> dict:
+    info = check(cfg)
+    todo = plan(cfg)
+    st = Store(cfg.out)
+    pending = [s for s in todo if not done(st, s)]
+    if dry_run:
+        return {"requested": len(todo), "to_run": pending, "already_done": len(todo) - len(pending)}
+    st.write_json({"identity": cfg.identity(), "config": asdict(cfg), "endpoint_info": info}, "config.json")
+    import ray
+    from tqdm import tqdm
+
+    litellm_quiet()
+    if not ray.is_initialized():
+        ray.init(address="auto" if _cluster() else None, log_to_driver=False)
+    task = ray.remote(num_cpus=0, max_retries=cfg.retries, retry_exceptions=True)(run_episode)
+    cfg_dict, t0 = asdict(cfg), time.time()
+    failures: dict[str, str] = {}
+    inflight: dict = {}
+    queue = list(pending)
+    bar = tqdm(total=len(pending), desc="episodes", disable=not progress)
+    while queue or inflight:
+        while queue and len(inflight) < cfg.concurrency:
+            s = queue.pop(0)
+            inflight[task.remote(s, cfg_dict, info)] = s
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        for ref in ready:
+            s = inflight.pop(ref)
+            try:
+                ray.get(ref)
+            except Exception as e:  # out of retries
+                failures[s["episode_id"]] = f"{type(e).__name__}: {str(e)[-2000:]}"
+                st.write_json({**s, "reason": failures[s["episode_id"]]}, "failures", f"{s['episode_id']}.json")
+            bar.update(1)
+    bar.close()
+    st.clean_tmp()
+    acc = accounts(st, todo, skipped=len(todo) - len(pending), failed=failures, seconds=time.time() - t0)
+    st.write_json(acc, "accounts.json")
+    return acc
+
+
+def _cluster() -> bool:
+    import os
+
+    return bool(os.environ.get("RAY_ADDRESS"))
+
+
+def accounts(st: Store, todo: list[dict], skipped: int, failed: dict, seconds: float) -> dict:
+    """ok + failed + skipped == requested, and the figures per workload × level."""
+    summaries = {s["episode_id"]: st.read_json("episodes", f"{s['episode_id']}.json") for s in todo if done(st, s)}
+    cells: dict = defaultdict(list)
+    for s in todo:
+        if s["episode_id"] in summaries and s["episode_id"] not in failed:
+            cells[(s["workload"], s["level"])].append(summaries[s["episode_id"]])
+    table = []
+    for (w, level), eps in sorted(cells.items()):
+        judged = [e["success"] for e in eps if e["success"] is not None]
+        table.append({"workload": w, "level": level, "episodes": len(eps),
+                      "success_rate": sum(judged) / len(judged) if judged else None,
+                      "mean_turns": sum(e["turns"] for e in eps) / len(eps),
+                      "mean_generated_tokens": sum(e["generated_tokens"] for e in eps) / len(eps),
+                      "terminations": dict(Counter(e["termination"] for e in eps))})  # fmt: skip
+    ran = len(todo) - skipped - len(failed)
+    return {"requested": len(todo), "ok": ran, "failed": len(failed), "skipped": skipped,
+            "failures": failed, "seconds": seconds,
+            "episodes_per_minute": ran / (seconds / 60) if seconds > 0 and ran else 0.0, "table": table}  # fmt: skip
+
+
+def accounts_markdown(acc: dict) -> str:
+    rows = [[r["workload"], r["level"], r["episodes"],
+             "n/a" if r["success_rate"] is None else f"{r['success_rate']:.2f}", f"{r['mean_turns']:.1f}",
+             f"{r['mean_generated_tokens']:.0f}", ", ".join(f"{k} {v}" for k, v in r["terminations"].items())]
+            for r in acc["table"]]  # fmt: skip
+    head = ["workload", "level", "episodes", "success", "turns", "gen tokens", "terminations"]
+    return (md_table(head, rows) + f"\n\nrequested {acc['requested']} = ok {acc['ok']} + failed {acc['failed']} + "
+            f"skipped {acc['skipped']}; {acc['episodes_per_minute']:.2f} episodes/min")  # fmt: skip

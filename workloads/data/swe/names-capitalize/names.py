@@ -1,0 +1,2 @@
+def capitalize_words(text):
+    return text.capitalize()

@@ -1,0 +1,3 @@
+def median(values):
+    s = sorted(values)
+    return s[len(s) // 2]

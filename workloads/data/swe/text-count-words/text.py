@@ -1,0 +1,3 @@
+def count_words(text):
+    """Number of whitespace-separated words."""
+    return len(text.split(" "))
