@@ -108,7 +108,7 @@ def test_service_reply_of_malformed_or_good_tool_output(tiny):
     service = Service(Engine(target), ServeConfig(model_name="m"))
     req = Parsed(
         ids=[1, 2], params=SamplingParams(max_tokens=4), effort="none", stream=False, workload="w",
-        details=False, meta_info=False, tool_names=NAMES,
+        details=False, meta_info=False, token_ids=False, tool_names=NAMES,
     )  # fmt: skip
     for text, want_calls in (
         ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', 0),
