@@ -191,9 +191,9 @@ def collect(cfg: CollectConfig, dry_run: bool = False, progress: bool = True) ->
                 st.write_json({**s, "reason": failures[s["episode_id"]]}, "failures", f"{s['episode_id']}.json")
             bar.update(1)
     bar.close()
-    st.clean_tmp()
     acc = accounts(st, todo, skipped=len(todo) - len(pending), failed=failures, seconds=time.time() - t0)
     st.write_json(acc, "accounts.json")
+    st.clean_tmp()  # what killed workers left half-written
     return acc
 
 
