@@ -114,3 +114,37 @@ def loss_mask(row: dict) -> tuple[list[int], list[int]]:
     """(input ids, mask) of one row: the prompt then the completion; 1 on the tokens the target generated."""
     p, c = list(row["prompt_token_ids"]), list(row["completion_token_ids"])
     return p + c, [0] * len(p) + [1] * len(c)
+
+
+def export_store(db: str, out: str) -> dict[str, int]:
+    """The proxy's recorded agent traffic (requests with token ids) -> trace shards in `out`, one per workload
+    (traces/<workload>/from-store.parquet, rewritten whole on each export) -> rows per workload."""
+    from collections import defaultdict
+
+    from dspine.serve.store import AcceptanceStore
+    from dspine.stats import AcceptanceStats
+
+    by_workload: dict[str, list[TraceRow]] = defaultdict(list)
+    turns: dict[str, int] = defaultdict(int)
+    for r in AcceptanceStore(db).traces():
+        ep = r["episode_id"] or f"proxy-{r['request_id']}"
+        hist = r["accept_hist"]
+        by_workload[r["workload"]].append(
+            TraceRow(
+                episode_id=ep, task_id=r["task_id"] or "", workload=r["workload"], thinking=r["thinking"],
+                turn=turns[ep], request_id=r["request_id"], messages=r["messages"], tools=r["tools"],
+                prompt_token_ids=r["prompt_token_ids"], completion_token_ids=r["completion_token_ids"],
+                has_token_ids=True, completion_text=r["completion_text"] or "", tool_calls=r["tool_calls"],
+                finish_reason=r["finish_reason"] or "", prompt_tokens=r["prompt_tokens"] or 0,
+                completion_tokens=r["completion_tokens"] or 0, accept_hist=hist,
+                tau=AcceptanceStats(len(hist), hist).tau if hist else None, sampling=r["sampling"],
+                target=r["model"], drafter=r["drafter"], chat_template_sha256=None, latency_s=r["latency_s"] or 0.0,
+                ts=r["ts"], termination="proxy",
+            )
+        )  # fmt: skip
+        turns[ep] += 1
+    st = Store(out)
+    for w, rows in by_workload.items():
+        st.write_rows(rows, "traces", w, "from-store.parquet")
+    st.clean_tmp()
+    return {w: len(rows) for w, rows in by_workload.items()}

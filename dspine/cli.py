@@ -210,6 +210,21 @@ def _add_export(sub) -> None:
     )
 
 
+def _add_traces(sub) -> None:
+    t = sub.add_parser(
+        "traces",
+        help="agent traces: export the proxy's recorded traffic as training rows",
+        description="Agent traces in dspine's training format (Parquet, one row per model call, exact token "
+        "ids). `export --from-store DB --out DIR` writes the requests that reached the proxy with "
+        "metadata.workload (recorded with their token ids) as DIR/traces/<workload>/from-store.parquet, "
+        "the same format `adapt/collect.py` writes.",
+    )
+    ts = t.add_subparsers(dest="traces_verb", required=True, metavar="ACTION")
+    x = ts.add_parser("export", help="proxy store -> trace shards")
+    x.add_argument("--from-store", required=True, help="the proxy's SQLite acceptance store")
+    x.add_argument("--out", required=True, help="collection directory (a path or a URI pyarrow understands)")
+
+
 def _add_bench(sub) -> None:
     bn = sub.add_parser(
         "bench",
@@ -342,7 +357,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dspine", description="Train and serve DSpine speculative-decoding drafters.")
     sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
     for add in (_add_generate, _add_regen, _add_train, _add_serve, _add_proxy, _add_dashboard, _add_export,
-                _add_bench, _add_eval):  # fmt: skip
+                _add_traces, _add_bench, _add_eval):  # fmt: skip
         add(sub)
     return ap
 
@@ -639,6 +654,21 @@ def _concurrencies(text: str) -> list[int]:
     return conc
 
 
+def cmd_traces(a) -> int:
+    import os
+
+    from dspine.agents.traces import export_store
+
+    if not os.path.isfile(a.from_store):
+        raise UsageError(f"--from-store {a.from_store!r}: no such file")
+    counts = export_store(a.from_store, a.out)
+    for w, n in sorted(counts.items()):
+        print(f"{w}: {n} rows -> {a.out}/traces/{w}/from-store.parquet")
+    if not counts:
+        print("no requests with token ids in the store (agent traffic sends metadata.workload through the proxy)")
+    return 0
+
+
 def cmd_eval(a) -> int:
     import os
 
@@ -702,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             "proxy": cmd_proxy,
             "dashboard": cmd_dashboard,
             "export": cmd_export,
+            "traces": cmd_traces,
             "bench": cmd_bench,
         }[a.verb](a)
     except (CheckpointError, ConfigError, RequestError, TargetError, UsageError, RegenError) as e:

@@ -126,6 +126,50 @@ def test_requests_through_the_proxy_are_recorded_once_with_the_servers_tau(stack
     assert got == rounds
 
 
+def test_agent_traffic_through_the_proxy_exports_as_traces(stack, smollm2, tmp_path):
+    """Requests with metadata.workload are stored with the backend's exact token ids (streamed ones too) and
+    `dspine traces export` turns them into the training format agents/collect write."""
+    import datasets
+    from openai import OpenAI
+
+    from dspine.agents.traces import SCHEMA
+    from dspine.cli import main
+
+    client = OpenAI(base_url=stack["proxy"] + "/v1", api_key=KEY)
+    sent = {}
+    for i, stream in enumerate((False, True)):
+        kw = dict(model="smol", max_tokens=8, temperature=0, reasoning_effort="low",
+                  metadata={"workload": "office", "episode_id": "ep-1", "task_id": "t-1"},
+                  messages=[{"role": "user", "content": f"Say {i} things."}])  # fmt: skip
+        if stream:
+            rid = {c.id for c in client.chat.completions.create(stream=True, **kw)}.pop()
+        else:
+            rid = client.chat.completions.create(**kw).id
+        sent[rid] = kw["messages"]
+    untagged = client.chat.completions.create(model="smol", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    rows, deadline = _rows(stack["cfg"].db), time.time() + 60
+    while not {untagged.id, *sent} <= {r["request_id"] for r in rows} and time.time() < deadline:
+        time.sleep(0.25)
+        rows = _rows(stack["cfg"].db)
+    traced = {t["request_id"] for t in AcceptanceStore(stack["cfg"].db).traces()}
+    assert set(sent) <= traced and untagged.id not in traced
+    assert main(["traces", "export", "--from-store", stack["cfg"].db, "--out", str(tmp_path / "t")]) == 0
+    ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "t/traces/*/*.parquet"), split="train")
+    assert set(ds.column_names) == set(SCHEMA.names)
+    mine = [r for r in ds if r["request_id"] in sent]
+    assert len(mine) == 2 and {r["turn"] for r in mine} == {0, 1} and all(r["episode_id"] == "ep-1" for r in mine)
+    for r in mine:
+        own = json.loads(urllib.request.urlopen(f"{stack['server']}/v1/dspine/requests/{r['request_id']}").read())
+        assert (
+            r["prompt_token_ids"] == own["prompt_token_ids"]
+            and smollm2.decode(r["completion_token_ids"]) == own["text"]
+        )
+        assert (
+            json.loads(r["messages"]) == sent[r["request_id"]] and r["workload"] == "office" and r["task_id"] == "t-1"
+        )
+        assert r["accept_hist"] == own["spec"]["spec_correct_drafts_histogram"] and r["thinking"] == "low"
+
+
 def test_the_proxy_refuses_a_missing_or_wrong_key(stack):
     from openai import AuthenticationError, OpenAI
 

@@ -72,12 +72,14 @@ class DSpineLogger(CustomLogger):
 
     async def async_pre_call_hook(self, user_api_key_dict, cache, data: dict, call_type):
         """Pass the workload on to the backend (LiteLLM keeps request metadata to itself), so the server's own
-        record and metrics carry the same label."""
+        record and metrics carry the same label; agent traffic (a request with a workload) also asks the backend
+        for its exact token ids, which the callback stores as a trace row."""
         md = data.get("metadata") or {}
         workload = md.get("workload") if isinstance(md, dict) else None
         if workload is not None:
             extra = dict(data.get("extra_body") or {})
             extra["metadata"] = {**(extra.get("metadata") or {}), "workload": str(workload)}
+            extra["return_token_ids"] = True
             data["extra_body"] = extra
         return data
 
@@ -123,8 +125,21 @@ class DSpineLogger(CustomLogger):
             accept_hist=hist,
             latency_s=(end_time - start_time).total_seconds(),
             source=source,
+            finish_reason=b.get("finish_reason"),
+            text=b.get("text"),
+            prompt_token_ids=b.get("prompt_token_ids"),
+            completion_token_ids=b.get("completion_token_ids"),
         )
-        fresh = await asyncio.to_thread(self.store.append, rec)
+        trace = None
+        if rec.prompt_token_ids:
+            choice = (getattr(response_obj, "choices", None) or [None])[0]
+            calls = getattr(getattr(choice, "message", None), "tool_calls", None) or []
+            trace = {"episode_id": user_md.get("episode_id"), "task_id": user_md.get("task_id"),
+                     "messages": kwargs.get("messages") or [], "tools": opt.get("tools") or [],
+                     "tool_calls": [c.model_dump() if hasattr(c, "model_dump") else c for c in calls],
+                     "sampling": {k: opt.get(k) for k in ("temperature", "top_p", "max_tokens", "reasoning_effort")
+                                  if opt.get(k) is not None}}  # fmt: skip
+        fresh = await asyncio.to_thread(self.store.append, rec, trace)
         if not fresh:
             return
         self.metrics.observe(rec)

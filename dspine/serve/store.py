@@ -58,7 +58,24 @@ CREATE TRIGGER IF NOT EXISTS requests_append_only_u BEFORE UPDATE ON requests
     BEGIN SELECT RAISE(ABORT, 'the acceptance store is append-only'); END;
 CREATE TRIGGER IF NOT EXISTS requests_append_only_d BEFORE DELETE ON requests
     BEGIN SELECT RAISE(ABORT, 'the acceptance store is append-only'); END;
+CREATE TABLE IF NOT EXISTS traces (
+    request_id TEXT PRIMARY KEY,
+    episode_id TEXT,
+    task_id TEXT,
+    messages TEXT NOT NULL,
+    tools TEXT NOT NULL,
+    prompt_token_ids TEXT NOT NULL,
+    completion_token_ids TEXT NOT NULL,
+    completion_text TEXT,
+    tool_calls TEXT NOT NULL,
+    finish_reason TEXT,
+    sampling TEXT NOT NULL
+);
 """
+# the token-level fields of a request that asked for them (metadata.workload through the proxy): one row of
+# `traces` beside its `requests` row, what `dspine traces export` turns into training rows
+TRACE_COLUMNS = ("request_id", "episode_id", "task_id", "messages", "tools", "prompt_token_ids",
+                 "completion_token_ids", "completion_text", "tool_calls", "finish_reason", "sampling")  # fmt: skip
 
 
 class AcceptanceStore:
@@ -74,8 +91,9 @@ class AcceptanceStore:
         db.execute("PRAGMA busy_timeout=30000")
         return db
 
-    def append(self, rec: RequestRecord) -> bool:
-        """Insert one record. False when its request id is already there."""
+    def append(self, rec: RequestRecord, trace: dict | None = None) -> bool:
+        """Insert one record (and, with `trace` and the record's token ids, its trace row). False when its
+        request id is already there."""
         row = {c: getattr(rec, c) for c in COLUMNS}
         row["stream"] = int(bool(row["stream"]))
         if row["accept_hist"] is not None:
@@ -86,9 +104,36 @@ class AcceptanceStore:
                 f"INSERT OR IGNORE INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})",
                 [row[c] for c in COLUMNS],
             )
+            if cur.rowcount == 1 and trace is not None and rec.prompt_token_ids and rec.completion_token_ids:
+                t = {**trace, "request_id": rec.request_id, "completion_text": rec.text,
+                     "finish_reason": rec.finish_reason, "prompt_token_ids": rec.prompt_token_ids,
+                     "completion_token_ids": rec.completion_token_ids}  # fmt: skip
+                t = {
+                    c: t.get(c) if isinstance(t.get(c), (str, type(None))) else json.dumps(t.get(c))
+                    for c in TRACE_COLUMNS
+                }
+                db.execute(
+                    f"INSERT OR IGNORE INTO traces ({', '.join(TRACE_COLUMNS)}) "
+                    f"VALUES ({', '.join('?' for _ in TRACE_COLUMNS)})",
+                    [t[c] for c in TRACE_COLUMNS],
+                )
             return cur.rowcount == 1
         finally:
             db.close()
+
+    def traces(self) -> list[dict]:
+        """Requests with token-level fields, joined with their records, oldest first (JSON fields decoded)."""
+        db = self._connect()
+        db.row_factory = sqlite3.Row
+        try:
+            sql = "SELECT r.*, t.* FROM traces t JOIN requests r ON r.request_id = t.request_id ORDER BY r.seq"
+            rows = [dict(r) for r in db.execute(sql)]
+        finally:
+            db.close()
+        for r in rows:
+            for k in ("prompt_token_ids", "completion_token_ids", "accept_hist"):
+                r[k] = json.loads(r[k]) if r[k] else []
+        return rows
 
     def rows(self, since: float = 0.0) -> list[dict]:
         db = self._connect()
