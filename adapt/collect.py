@@ -7,6 +7,8 @@ Runs the swe, tool and office agents against an OpenAI-compatible endpoint (`dsp
 `dspine proxy` in front of either) and writes their traces (see dspine.agents.traces for the layout). Re-running
 the same command skips what is done; `--dry-run` lists what would run. Works the same on a local head and on a
 cluster: give an endpoint every node reaches and an --out on shared storage or an object-store URI (s3://...).
+A one-machine head that should stay on 127.0.0.1 is started with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (Ray otherwise
+replaces 127.0.0.1 by the machine's interface address).
 """
 
 from __future__ import annotations

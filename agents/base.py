@@ -7,10 +7,11 @@ An episode is one task at one thinking level. Each model call goes out tagged wi
 and wall time (`EpisodeLimit` ends it with its reason). Tools run in the episode's `Jail`; a tool that fails
 gives its error to the model as the tool's result.
 
-Token ids: the embedded server returns `prompt_token_ids` and per-choice `token_ids` (vLLM's convention, which
-LiteLLM passes through as a top-level field and `provider_specific_fields`); an SGLang backend returns them from
-its native `/generate` (`--backend-kind sglang`: `output_ids` and `meta_info`). A call whose backend returns no
-ids keeps its row with the ids empty, and `has_token_ids` False: training masks are made from ids only.
+Token ids: the request sets `return_token_ids`, which the embedded server answers with `prompt_token_ids` (top
+level) and per-choice `token_ids` (vLLM's convention) and SGLang's OpenAI endpoints with per-choice
+`prompt_token_ids` and `token_ids` (non-streaming); LiteLLM passes top-level extras through and per-choice ones as
+`provider_specific_fields`, and both places are read. A backend that returns no ids leaves the row's ids empty
+and `has_token_ids` False: training masks are made from ids only, never from re-rendered text.
 """
 
 from __future__ import annotations
@@ -176,8 +177,8 @@ class Episode:
         latency = time.time() - t0
         choice = resp.choices[0]
         msg = choice.message
-        prompt_ids = list(getattr(resp, "prompt_token_ids", None) or [])
         psf = getattr(choice, "provider_specific_fields", None) or {}
+        prompt_ids = list(getattr(resp, "prompt_token_ids", None) or psf.get("prompt_token_ids") or [])
         out_ids = list(psf.get("token_ids") or getattr(choice, "token_ids", None) or [])
         spec = (getattr(resp, "sglext", None) or {}).get("spec_tokens_details") or {}
         hist = list(spec.get("spec_correct_drafts_histogram") or [])

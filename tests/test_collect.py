@@ -26,7 +26,10 @@ SMALL = ["--max-turns", "2", "--max-tokens", "16", "--concurrency", "2", "--tool
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    # one machine: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every Ray address on 127.0.0.1 (Ray otherwise swaps
+    # 127.0.0.1 for the machine's interface address)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
     dash = free_port()
     cmd = ["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(free_port()),
            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "2",
