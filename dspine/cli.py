@@ -135,6 +135,18 @@ def _add_serve(sub) -> None:
         default=8,
         help="requests decoded together, from those waiting when a batch starts (default: %(default)s)",
     )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests admitted at once, decoding or waiting; more get 429 + Retry-After (default: %(default)s)",
+    )
+    s.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, in-flight requests may finish this long before they are aborted (default: %(default)s)",
+    )
 
 
 def _add_proxy(sub) -> None:
@@ -518,11 +530,12 @@ def cmd_serve(a) -> int:
     from dspine.serve.server import ServeConfig, serve
     from dspine.target import load_target
 
+    if a.max_batch < 1 or a.max_queue < 1 or a.grace_seconds < 0:
+        raise UsageError("--max-batch and --max-queue must be >= 1, --grace-seconds >= 0")
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device) if a.drafter else None
-    if a.max_batch < 1:
-        raise UsageError("--max-batch must be >= 1")
-    cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch)
+    cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch, max_queue=a.max_queue,
+                      grace_s=a.grace_seconds)  # fmt: skip
     name = "/".join(Path(a.drafter).resolve().parts[-2:]) if a.drafter else None  # no absolute path shown
     serve(Engine(target, drafter), a.host, a.port, cfg, drafter_name=name)
     return 0

@@ -300,3 +300,77 @@ def test_unknown_paths_and_methods_answer_in_openais_error_shape(server):
         "response_format": {"type": "text"},
     }
     assert post(server, "/v1/chat/completions", ok)[0] == 200  # "off" values of unsupported fields are fine
+
+
+LONG = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 1500, "temperature": 0}  # counting on: a long generation
+
+
+def _stream(base, body, out: list):
+    """Reads one streamed completion to its end into `out` (chunks), in a thread."""
+    import http.client
+
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out.append(resp.status)
+    for line in resp:
+        out.append(line.decode().strip())
+
+
+def test_limits_disconnects_and_sigterm(tmp_path):
+    """One AR server with room for two requests: a dropped non-streaming request is aborted and recorded, a
+    third request is refused with 429 + Retry-After while readiness says so, and SIGTERM ends the two open
+    streams (finish_reason abort) within the grace period and exits."""
+    import signal
+    import socket
+    import threading
+    import time
+
+    from dspine.serve.server import start_server_process
+
+    proc, base = start_server_process(None, "smol", extra=["--max-queue", "2", "--grace-seconds", "3"])
+    try:
+        req = urllib.request.Request(base + "/v1/completions", json.dumps(LONG).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises((TimeoutError, socket.timeout, urllib.error.URLError)):
+            urllib.request.urlopen(req, timeout=2)
+        deadline, rec = time.time() + 30, None
+        while rec is None and time.time() < deadline:
+            recs = json.loads(get(base, "/v1/dspine/requests"))["data"]
+            rec = next((r for r in recs if r["finish_reason"] == "abort"), None)
+            time.sleep(0.2)
+        assert rec is not None and 0 < rec["completion_tokens"] < LONG["max_tokens"], rec
+        assert json.loads(get(base, "/health"))["admitted"] == 0
+
+        streams = [[], []]
+        threads = [threading.Thread(target=_stream, args=(base, LONG, s), daemon=True) for s in streams]
+        for t in threads:
+            t.start()
+        while json.loads(get(base, "/health"))["admitted"] < 2 and time.time() < deadline + 30:
+            time.sleep(0.1)
+        status, body, headers = post(base, "/v1/completions", {**LONG, "max_tokens": 4})
+        assert (
+            status == 429
+            and json.loads(body)["error"]["code"] == "queue_full"
+            and {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + "/ready", timeout=10)
+        assert e.value.code == 503 and json.loads(e.value.read())["live"] is True
+
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert time.time() - t0 < 3 + 10  # the grace period, plus the rows' last round and the exit
+        for t in threads:
+            t.join(timeout=10)
+        for s in streams:
+            lines = [x for x in s[1:] if x]
+            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            assert s[0] == 200 and lines[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] == "abort"
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(base + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

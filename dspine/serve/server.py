@@ -54,6 +54,9 @@ class ServeConfig:
     max_prompt_tokens: int | None = None  # default: the target's context - 1
     max_records: int = 10000
     max_batch: int = 8  # requests decoded together (those waiting when a batch starts; greedy or unseeded)
+    max_queue: int = 64  # requests admitted at once (decoding + waiting); more get 429 with Retry-After
+    grace_s: float = 30.0  # on SIGTERM: in-flight requests may finish this long, then are aborted
+    stall_s: float = 300.0  # /health reports the decode loop dead when a batch makes no progress this long
 
 
 def apply_reasoning_effort(model_type: str, messages: list[dict], effort: str) -> tuple[list[dict], dict]:
@@ -88,9 +91,10 @@ class Parsed:
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):  # fmt: skip
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
 
 
 class ServerMetrics:
@@ -114,13 +118,21 @@ class Batcher:
     def __init__(self, engine: Engine, max_batch: int):
         self.engine, self.max_batch = engine, max(1, max_batch)
         self.jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._loop, daemon=True, name="dspine-batcher").start()
+        self.decoding = False
+        self.last_progress = time.monotonic()  # the last token committed or batch started / ended
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="dspine-batcher")
+        self.thread.start()
 
     def submit(self, ids: list[int], params, on_token=None):
         """Blocks until the request is decoded -> GenerationResult (raises what decoding raised)."""
         self.engine.prompt_ids(ids)  # a bad prompt fails alone, before it joins a batch
         fut: Future = Future()
-        self.jobs.put((ids, params, on_token, fut))
+
+        def stamped(tok):
+            self.last_progress = time.monotonic()
+            return on_token(tok) if on_token is not None else True
+
+        self.jobs.put((ids, params, stamped, fut))
         return fut.result()
 
     @staticmethod
@@ -144,6 +156,7 @@ class Batcher:
                     held = job  # starts the next batch
                     break
                 batch.append(job)
+            self.decoding, self.last_progress = True, time.monotonic()
             try:
                 if len(batch) == 1:
                     ids, params, cb, _ = batch[0]
@@ -157,6 +170,8 @@ class Batcher:
             except Exception as e:
                 for job in batch:
                     job[3].set_exception(e)
+            finally:
+                self.decoding, self.last_progress = False, time.monotonic()
 
 
 class Service:
@@ -168,6 +183,10 @@ class Service:
         self.batcher = Batcher(engine, self.cfg.max_batch)
         self.records: OrderedDict[str, RequestRecord] = OrderedDict()
         self.metrics = ServerMetrics()
+        self.admitted = 0
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.abort_all = threading.Event()  # set when the shutdown grace period is over
         tgt = engine.target
         self.max_prompt = self.cfg.max_prompt_tokens or tgt.info.max_position_embeddings - 1
         template = getattr(tgt.tokenizer, "chat_template", None)
@@ -241,12 +260,57 @@ class Service:
         except Exception as e:  # a chat template that rejects these messages
             raise BadRequest(f"cannot apply the chat template: {e}", param="messages") from None
 
+    # ---- admission, health, shutdown --------------------------------------------------------------------
+    def admit(self) -> None:
+        """Take a place for one request, or refuse it: 503 while shutting down, 429 when the queue is full."""
+        with self.lock:
+            if self.stopping:
+                raise BadRequest("the server is shutting down", status=503, code="shutting_down", retry_after=5)
+            if self.admitted >= self.cfg.max_queue:
+                raise BadRequest(f"the server is busy ({self.admitted} requests admitted, at most "
+                                 f"{self.cfg.max_queue}); retry later", status=429, code="queue_full",
+                                 retry_after=1)  # fmt: skip
+            self.admitted += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.admitted -= 1
+
+    def health(self) -> dict:
+        """Liveness (the decode loop runs and, while decoding, makes progress) and readiness (it would admit a
+        request now), reported apart."""
+        b = self.batcher
+        age = time.monotonic() - b.last_progress
+        live = b.thread.is_alive() and not (b.decoding and age > self.cfg.stall_s)
+        ready = live and not self.stopping and self.admitted < self.cfg.max_queue
+        return {"status": "stopping" if self.stopping else ("ok" if live else "stalled"), "live": live,
+                "ready": ready, "admitted": self.admitted, "max_queue": self.cfg.max_queue,
+                "decoding": b.decoding, "last_progress_age_s": round(age, 3)}  # fmt: skip
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Stop admitting; in-flight requests may finish for grace_s, then every row aborts at its next token."""
+        with self.lock:
+            if self.stopping:
+                return
+            self.stopping = True
+        timer = threading.Timer(grace_s, self.abort_all.set)
+        timer.daemon = True
+        timer.start()
+
     # ---- generation ------------------------------------------------------------------------------------
-    def run(self, req: Parsed, on_token=None) -> RequestRecord:
+    def run(self, req: Parsed, on_token=None, gone: threading.Event | None = None) -> RequestRecord:
+        """Decode one request -> its record. It aborts at its next token once `gone` is set (the client left)
+        or the shutdown grace period is over; `on_token` returning False aborts it too."""
         t0 = time.time()
+
+        def cb(tok):
+            if self.abort_all.is_set() or (gone is not None and gone.is_set()):
+                return False
+            return on_token(tok) if on_token is not None else True
+
         self.metrics.inflight.inc()
         try:
-            res = self.batcher.submit(req.ids, req.params, on_token)
+            res = self.batcher.submit(req.ids, req.params, cb)
         except RequestError as e:
             raise BadRequest(str(e)) from None
         finally:
@@ -390,7 +454,7 @@ async def sse(request, service: Service, st: Stream):
 
     def work():
         try:
-            loop.call_soon_threadsafe(events.put_nowait, ("done", service.run(st.req, on_token)))
+            loop.call_soon_threadsafe(events.put_nowait, ("done", service.run(st.req, on_token, gone)))
         except BadRequest as e:
             loop.call_soon_threadsafe(events.put_nowait, ("error", e))
 
@@ -418,6 +482,19 @@ async def sse(request, service: Service, st: Stream):
     finally:
         gone.set()
         await task  # the engine stops at its next token once `gone` is set
+        service.release()
+
+
+async def run_watched(request, service: Service, req: Parsed) -> RequestRecord:
+    """A non-streaming request, decoded in a worker thread while the connection is watched: a client that
+    hangs up aborts its row at the next token (its record is kept, finish_reason "abort")."""
+    gone = threading.Event()
+    task = asyncio.ensure_future(asyncio.to_thread(service.run, req, None, gone))
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            gone.set()
+    return task.result()
 
 
 def read_json(raw: bytes):
@@ -434,9 +511,48 @@ def read_json(raw: bytes):
     return body
 
 
+def error_response(service: Service, e: BadRequest):
+    """A refusal in OpenAI's error shape (Retry-After on 429 / 503), counted by status."""
+    from fastapi.responses import JSONResponse
+
+    service.metrics.errors.labels(str(e.status)).inc()
+    kind = {404: "not_found_error", 405: "method_not_allowed", 429: "rate_limit_error",
+            503: "service_unavailable"}.get(e.status, "invalid_request_error")  # fmt: skip
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+    return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}},
+                        status_code=e.status, headers=headers)  # fmt: skip
+
+
+async def complete(request, service: Service, chat: bool):
+    """One completion request: parse, admit, then stream or answer whole."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    try:
+        req = service.parse(read_json(await request.body()), chat)
+        service.admit()
+    except BadRequest as e:
+        return error_response(service, e)
+    if req.stream:  # the stream releases its place when it ends
+        return StreamingResponse(sse(request, service, Stream(service, req, chat)), media_type="text/event-stream",
+                                 headers={"x-dspine-request-id": req.id})  # fmt: skip
+    try:
+        rec = await run_watched(request, service, req)
+    except BadRequest as e:
+        return error_response(service, e)
+    finally:
+        service.release()
+    return JSONResponse(service.response(req, rec, chat), headers={"x-dspine-request-id": rec.request_id})
+
+
+def probe(h: dict, key: str):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(h, status_code=200 if h[key] else 503)
+
+
 def create_app(service: Service):
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import PlainTextResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException
 
@@ -450,40 +566,16 @@ def create_app(service: Service):
         }
         return error(BadRequest(what.get(exc.status_code, str(exc.detail)), status=exc.status_code))
 
-    def error(e: BadRequest) -> JSONResponse:
-        service.metrics.errors.labels(str(e.status)).inc()
-        kind = {404: "not_found_error", 405: "method_not_allowed"}.get(e.status, "invalid_request_error")
-        return JSONResponse(
-            {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}, status_code=e.status
-        )
-
-    async def body_of(request: Request):
-        return read_json(await request.body())
-
-    async def complete(request: Request, chat: bool):
-        try:
-            req = service.parse(await body_of(request), chat)
-        except BadRequest as e:
-            return error(e)
-        if req.stream:
-            return StreamingResponse(
-                sse(request, service, Stream(service, req, chat)),
-                media_type="text/event-stream",
-                headers={"x-dspine-request-id": req.id},
-            )
-        try:
-            rec = await asyncio.to_thread(service.run, req)
-        except BadRequest as e:
-            return error(e)
-        return JSONResponse(service.response(req, rec, chat), headers={"x-dspine-request-id": rec.request_id})
+    def error(e: BadRequest):
+        return error_response(service, e)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await complete(request, True)
+        return await complete(request, service, True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await complete(request, False)
+        return await complete(request, service, False)
 
     @app.get("/v1/models")
     async def models():
@@ -503,12 +595,20 @@ def create_app(service: Service):
         }
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+    async def health():  # liveness: 503 when the decode loop died or stalled
+        return probe(service.health(), "live")
+
+    @app.get("/ready")
+    async def ready():  # readiness: 503 while shutting down or with the queue full
+        return probe(service.health(), "ready")
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/dspine/requests")
+    async def recent(limit: int = 20):  # the latest finished requests' records, newest first
+        return {"data": [r.to_json() for r in list(service.records.values())[-max(1, min(limit, 1000)) :][::-1]]}
 
     @app.get("/v1/dspine/requests/{rid}")
     async def record(rid: str):
@@ -529,7 +629,17 @@ def serve(
 ) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(Service(engine, cfg, drafter_name)), host=host, port=port, log_level="warning")
+    service = Service(engine, cfg, drafter_name)
+    grace = service.cfg.grace_s
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM / SIGINT: stop admitting; abort what outlives the grace
+            service.begin_shutdown(grace)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=int(grace) + 5)  # fmt: skip
+    Server(config).run()
 
 
 def start_server_process(
