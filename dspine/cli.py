@@ -542,7 +542,9 @@ def cmd_serve(a) -> int:
 
 
 def cmd_proxy(a) -> int:
-    from dspine.serve.proxy import ProxyConfig, parse_backend, start_proxy
+    import signal
+
+    from dspine.serve.proxy import ProxyConfig, parse_backend, start_proxy, stop_proxy
 
     cfg = ProxyConfig(
         backends=[parse_backend(b) for b in a.backend],
@@ -554,11 +556,15 @@ def cmd_proxy(a) -> int:
     )
     proc = start_proxy(cfg, log=sys.stdout)
     print(f"dspine proxy: LiteLLM on http://{a.host}:{a.port}/v1 (store {a.db}); Ctrl-C stops it", file=sys.stderr)
+
+    def stop(signum, frame):  # SIGTERM stops it like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait(timeout=30)
+        return stop_proxy(proc)
 
 
 def cmd_dashboard(a) -> int:

@@ -32,7 +32,7 @@ ARTIFACTS = Path(
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, smollm2_drafters):
-    from dspine.serve.proxy import Backend, ProxyConfig, start_proxy
+    from dspine.serve.proxy import Backend, ProxyConfig, start_proxy, stop_proxy
 
     tmp = tmp_path_factory.mktemp("proxy")
     ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp / "dspine")
@@ -49,8 +49,7 @@ def stack(tmp_path_factory, smollm2_drafters):
         try:
             yield {"server": server, "proxy": f"http://127.0.0.1:{cfg.port}", "cfg": cfg, "tmp": tmp}
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            stop_proxy(proc)
 
 
 def _rows(db) -> list[dict]:
@@ -170,6 +169,37 @@ def test_agent_traffic_through_the_proxy_exports_as_traces(stack, smollm2, tmp_p
         assert r["accept_hist"] == own["spec"]["spec_correct_drafts_histogram"] and r["thinking"] == "low"
 
 
+def test_proxy_fails_fast_on_a_busy_port_and_its_child_dies_with_it(stack, tmp_path):
+    import socket
+
+    def cli(port):
+        return [sys.executable, "-m", "dspine.cli", "proxy", "--backend", f"smol={stack['server']}/v1@smol-backend",
+                "--port", str(port), "--db", str(tmp_path / "a.db"), "--workdir", str(tmp_path / "w")]  # fmt: skip
+
+    env = {**os.environ, "DSPINE_PROXY_KEY": KEY}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        t0 = time.time()
+        r = subprocess.run(cli(busy.getsockname()[1]), env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "is busy" in r.stderr and time.time() - t0 < 60, r.stderr
+    port = free_port()
+    parent = subprocess.Popen(cli(port), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health/liveliness", parent, 180)
+        parent.kill()  # SIGKILL: no cleanup code runs in dspine proxy
+        parent.wait()
+        deadline, alive = time.time() + 30, True
+        while alive and time.time() < deadline:
+            with socket.socket() as s:
+                alive = s.connect_ex(("127.0.0.1", port)) == 0
+            time.sleep(0.5)
+        assert not alive, "LiteLLM kept serving after dspine proxy was killed"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
 def test_the_proxy_refuses_a_missing_or_wrong_key(stack):
     from openai import AuthenticationError, OpenAI
 
@@ -242,11 +272,11 @@ def test_dashboard_renders_the_recorded_data_in_chromium(stack):
         )
     }
     want = {(c["workload"], c["thinking"]): c["tau_mean"] for c in summary["cells"] if c["tau_mean"] is not None}
-    assert set(bars) == set(want) and len(want) == 4
+    assert set(bars) == set(want) and len(want) >= 4  # the 2 × 2 cells of the first test, and any later ones
     for k, v in want.items():
         assert bars[k] == pytest.approx(v, abs=1e-4)
     curves = re.findall(r'<polyline[^>]*class="slot-curve"[^>]*data-per-slot="([^"]+)"', dom)
-    assert len(curves) == 4
+    assert len(curves) == len(summary["cells"])
     assert sorted(tuple(round(float(x), 4) for x in c.split()) for c in curves) == sorted(
         tuple(round(p, 4) for p in c["per_slot"]) for c in summary["cells"]
     )

@@ -122,16 +122,59 @@ def proxy_env(cfg: ProxyConfig, key: str) -> dict:
     return env
 
 
+# Runs first in the child: asks the kernel for SIGTERM when the parent dies (SIGKILL included), then becomes
+# LiteLLM. If the parent is already gone by then, the child exits instead of serving as an orphan.
+_WITH_PARENT = (
+    "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 15, 0, 0, 0)\n"  # PR_SET_PDEATHSIG, SIGTERM
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """ConfigError when something already listens there (LiteLLM would silently take another port)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"proxy: {what} {host}:{port} is busy ({e.strerror}); choose another port") from None
+
+
 def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None) -> subprocess.Popen:
-    """Start LiteLLM (a child process) and return once it answers; raises if it dies or never answers."""
+    """Start LiteLLM (a child process in its own process group, ended by the kernel if this process dies) and
+    return once it answers; raises if a port is busy, or if it dies or never answers."""
     from dspine.process import wait_http
 
     key = key if key is not None else os.environ.get(KEY_ENV, "")
     env = proxy_env(cfg, key)
+    check_port_free(cfg.host, cfg.port, "port")
+    if cfg.metrics_port:
+        check_port_free("127.0.0.1", cfg.metrics_port, "metrics port")
     path = write_proxy_files(cfg)
     exe = shutil.which("litellm")
     cmd = [exe] if exe else [sys.executable, "-m", "litellm.proxy.proxy_cli"]
     cmd += ["--config", str(path.resolve()), "--host", cfg.host, "--port", str(cfg.port)]
-    proc = subprocess.Popen(cmd, env=env, cwd=cfg.workdir, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    if sys.platform.startswith("linux"):
+        cmd = [sys.executable, "-c", _WITH_PARENT, str(os.getpid()), *cmd]
+    proc = subprocess.Popen(cmd, env=env, cwd=cfg.workdir, stdout=log or subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     wait_http(f"http://{cfg.host}:{cfg.port}/health/liveliness", proc, 180)
     return proc
+
+
+def stop_proxy(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """End LiteLLM and everything in its process group."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
