@@ -14,6 +14,7 @@ output directory holding a collection of another configuration.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import tempfile
@@ -145,7 +146,7 @@ def run_episode(spec: dict, cfg_dict: dict, info: dict) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
     st = Store(cfg.out)
     st.write_rows(res.rows, *shard(spec["workload"], spec["episode_id"]))
-    summary = {**res.summary(), "rep": spec["rep"], "worker_pid": __import__("os").getpid()}
+    summary = {**res.summary(), "rep": spec["rep"], "worker_pid": os.getpid()}
     st.write_json(summary, "episodes", f"{spec['episode_id']}.json")
     st.delete("failures", f"{spec['episode_id']}.json")
     return summary
@@ -164,7 +165,8 @@ def collect(cfg: CollectConfig, dry_run: bool = False, progress: bool = True) ->
     pending = [s for s in todo if not done(st, s)]
     if dry_run:
         return {"requested": len(todo), "to_run": pending, "already_done": len(todo) - len(pending)}
-    st.write_json({"identity": cfg.identity(), "config": asdict(cfg), "endpoint_info": info}, "config.json")
+    shown = {**asdict(cfg), "api_key": "***" if cfg.api_key not in ("", "none") else cfg.api_key}  # never on disk
+    st.write_json({"identity": cfg.identity(), "config": shown, "endpoint_info": info}, "config.json")
     import ray
     from tqdm import tqdm
 
@@ -198,8 +200,6 @@ def collect(cfg: CollectConfig, dry_run: bool = False, progress: bool = True) ->
 
 
 def _cluster() -> bool:
-    import os
-
     return bool(os.environ.get("RAY_ADDRESS"))
 
 

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 from dspine.agents.sandbox import Jail, JailLimits
 
 LEVELS = ("none", "low", "medium", "high", "xhigh")
+REFUSED = ("BadRequestError", "ContextWindowExceededError")  # LiteLLM's exceptions for a 400 from the endpoint
 
 
 @dataclass
@@ -280,6 +280,10 @@ class Harness:
             success, why = self.play(ep)
         except EpisodeLimit as e:
             success, why = self.score(ep), str(e)
+        except Exception as e:  # the endpoint refused a call (a full context, ...): the episode ends there
+            if type(e).__name__ not in REFUSED:
+                raise  # anything else (the endpoint down, ...) fails the episode, and Ray retries it
+            success, why = self.score(ep), f"model_error: {type(e).__name__}"
         return ep.result(success, why)
 
 
@@ -287,10 +291,6 @@ def episode_id(workload: str, task_id: str, level: str, rep: int) -> str:
     """Deterministic: a re-run of the same task × level × repetition has the same id (and the same shard)."""
     key = f"{workload}/{task_id}/{level}/{rep}"
     return f"{workload}-{hashlib.sha1(key.encode()).hexdigest()[:12]}-{level}-{rep}"
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 def litellm_quiet() -> None:

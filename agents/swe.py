@@ -16,7 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
-from dspine.agents.base import EpisodeLimit, Harness, Task
+from dspine.agents.base import Harness, Task
 
 # mini-swe-agent's exit statuses -> the termination reasons every harness uses
 MINI_EXITS = {"LimitsExceeded": "max_turns", "TimeExceeded": "wall_time", "Submitted": "submitted",
@@ -95,14 +95,7 @@ class SweHarness(Harness):
                      "wall_time_limit_seconds": int(ep.cfg.wall_s)}  # fmt: skip
         env_cfg = {"env": cfg.get("environment", {}).get("env", {}), "timeout": int(ep.cfg.tool_limits.wall_s)}
         agent = DefaultAgent(EpisodeModel(ep, **model_cfg), JailedEnvironment(ep, **env_cfg), **agent_cfg)
-        try:
-            out = agent.run(task=ep.task.instruction)
-        except EpisodeLimit:
-            raise
-        except Exception as e:  # the endpoint refused a call (context full, ...): the episode ends there
-            if type(e).__name__ in ("ContextWindowExceededError", "BadRequestError"):
-                return self.score(ep), f"model_error: {type(e).__name__}"
-            raise
+        out = agent.run(task=ep.task.instruction)  # EpisodeLimit and refused calls end it in Harness.run
         status = out.get("exit_status") or "ended"
         return self.score(ep), MINI_EXITS.get(status, status)
 
