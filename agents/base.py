@@ -317,3 +317,17 @@ def python_tool(ep: Episode, spec: str, args: dict, label: str | None = None, co
                     stdin=json.dumps(args))  # fmt: skip
     ok, text = parse(r.output, r.returncode)
     return ep.tool_result(label or spec, text, ok and r.ok) if count else text
+
+
+def call_tool(ep: Episode, name: str, arguments: str, route, raw: bool = False) -> str:
+    """One tool call of the model, jailed -> the text it reads; a bad call is the tool's error, never the
+    episode's. `route(args)` -> ("module:function", kwargs), or None for a tool the harness does not have.
+    `raw`: pass the decoded arguments on as they are (a router that checks them itself); else a non-object is {}."""
+    try:
+        args = json.loads(arguments or "{}")
+    except json.JSONDecodeError as e:
+        return ep.tool_result(name, f"Error: the arguments are not JSON: {e}", False)
+    target = route(args if raw or isinstance(args, dict) else {})
+    if target is None:
+        return ep.tool_result(name, f"Error: unknown tool {name!r}", False)
+    return python_tool(ep, target[0], target[1], name)

@@ -9,13 +9,12 @@ a reference file for `evaluate_exact_match` — are skipped and counted (`skippe
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import shutil
 from pathlib import Path
 
-from dspine.agents.base import Harness, Task, python_tool
+from dspine.agents.base import Harness, Task, call_tool, python_tool
 from dspine.agents.office_tools import TOOLS
 from dspine.agents.tau_tools import schema
 
@@ -31,25 +30,12 @@ def data_dir() -> Path:
     return Path(workloads.__file__).resolve().parent / "data" / "office" / "tasks"
 
 
-def _with_db(fn):
-    """tau_tools.schema reads parameters after the first; office tools have no db argument."""
-
-    def wrapper(_db, *args, **kwargs):
-        return fn(*args, **kwargs)
-
-    sig = inspect.signature(fn)
-    wrapper.__signature__ = sig.replace(parameters=[inspect.Parameter("_db", inspect.Parameter.POSITIONAL_ONLY),
-                                                    *sig.parameters.values()])  # fmt: skip
-    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
-    return wrapper
-
-
 class OfficeHarness(Harness):
     name = "office"
 
     def __init__(self):
         self.tools = {f.__name__: SPEC + f.__name__ for f in TOOLS}  # name -> "module:function" (extendable)
-        self.schemas = [schema(_with_db(f)) for f in TOOLS] + [FINISH]
+        self.schemas = [schema(f, skip=0) for f in TOOLS] + [FINISH]
         self._skipped: dict[str, str] = {}
 
     def tasks(self) -> list[Task]:
@@ -78,13 +64,7 @@ class OfficeHarness(Harness):
             shutil.copytree(src, ep.workdir, dirs_exist_ok=True)
 
     def execute(self, ep, name: str, arguments: str) -> str:
-        try:
-            args = json.loads(arguments or "{}")
-        except json.JSONDecodeError as e:
-            return ep.tool_result(name, f"Error: the arguments are not JSON: {e}", False)
-        if name not in self.tools:
-            return ep.tool_result(name, f"Error: unknown tool {name!r}", False)
-        return python_tool(ep, self.tools[name], args if isinstance(args, dict) else {}, name)
+        return call_tool(ep, name, arguments, lambda args: (self.tools[name], args) if name in self.tools else None)
 
     def play(self, ep):
         d = ep.task.data

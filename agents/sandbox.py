@@ -3,8 +3,7 @@ wall-time limits. Standard library only: the parent (`Jail.run`) starts this fil
 interpreter, which confines itself and then executes the tool's command, so nothing unsafe happens between
 fork and exec in a threaded parent (a Ray worker, a server).
 
-What confines the command, each applied where the kernel and the caller's privileges allow it (`Jail.report`
-says which were):
+What confines the command, each applied where the kernel and the caller's privileges allow it:
 - writes: Landlock (Linux >= 5.13, any user) — writes anywhere but the episode directory and /dev/null fail
   with EACCES; reads stay allowed (the command needs its interpreter and libraries);
 - network: a new, empty network namespace (root), plus Landlock's TCP connect / bind denial (ABI >= 4, any user);
@@ -88,15 +87,6 @@ class Jail:
         self.root = Path(self.root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / ".tmp").mkdir(exist_ok=True)
-
-    def report(self) -> dict:
-        """Which confinements this machine gives (the same probe the launcher runs)."""
-        return {
-            "landlock_abi": landlock_abi(),
-            "netns": os.geteuid() == 0,
-            "pids_cgroup": _pids_cgroup_usable(),
-            "root": os.geteuid() == 0,
-        }
 
     def run_shell(self, command: str, stdin: str | None = None) -> JailResult:
         return self.run(["/bin/bash", "-c", command], stdin=stdin)

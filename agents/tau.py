@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from dspine.agents.base import Harness, Task, python_tool
+from dspine.agents.base import Harness, Task, call_tool
 from dspine.agents.tau_tools import DOMAINS, replay, schema
 
 SPEC = "dspine.agents.tau:run_in"
@@ -89,14 +89,12 @@ class TauHarness(Harness):
         return list(self.tools[domain].values()) + extra
 
     def execute(self, ep, name: str, arguments: str) -> str:
-        """One tool call of the model, jailed; a bad call is the tool's error, never the episode's."""
-        try:
-            args = json.loads(arguments or "{}")
-        except json.JSONDecodeError as e:
-            return ep.tool_result(name, f"Error: the arguments are not JSON: {e}", False)
-        if name in self.extra:
-            return python_tool(ep, self.extra[name], args if isinstance(args, dict) else {}, name)
-        return python_tool(ep, SPEC, {"domain": ep.task.data["domain"], "name": name, "args": args}, name)
+        def route(args):  # an extra tool by its own spec; a domain tool through run_in (unknown names: its error)
+            if name in self.extra:
+                return self.extra[name], args
+            return SPEC, {"domain": ep.task.data["domain"], "name": name, "args": args}
+
+        return call_tool(ep, name, arguments, route, raw=name not in self.extra)
 
     def user_lines(self, task: Task) -> list[str]:
         ins = task.data["instructions"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import typing
 
 
 class ToolError(ValueError):
@@ -394,13 +395,13 @@ DOMAINS = {"retail": {f.__name__: f for f in RETAIL}, "airline": {f.__name__: f 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", list: "array", dict: "object"}
 
 
-def schema(fn) -> dict:
-    """The OpenAI `tools` entry of a tool, from its signature and docstring."""
+def schema(fn, skip: int = 1) -> dict:
+    """The OpenAI `tools` entry of a tool, from its signature and docstring; the first `skip` parameters (the
+    database) are not the model's to give."""
+    hints = typing.get_type_hints(fn)
     props, required = {}, []
-    for name, p in list(inspect.signature(fn).parameters.items())[1:]:
-        ann = (
-            p.annotation if not isinstance(p.annotation, str) else eval(p.annotation)
-        )  # "str" etc. (future annotations)
+    for name in list(inspect.signature(fn).parameters)[skip:]:
+        ann = hints.get(name, str)
         props[name] = {"type": _JSON_TYPES.get(ann, "string")}
         if ann is list:
             props[name]["items"] = {
