@@ -8,6 +8,7 @@ Longer than one command: train.time_budget_s=880 train.stop_after_s=430, then th
 Several GPUs: `torchrun --nproc_per_node N bench/recipe.py --stage train ...` trains data parallel (the
 global batch split over the GPUs; same data and steps as one process — on 2 H200s a step took 0.19 s vs
 0.21 s on one, so raise train.batch_size with N); the other stages stay one process.
+The shipped base drafter: --base (then warm_from=<previous ship folder> to continue it, --ship DIR to write it).
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
 Overrides: dotted keys of dspine.train.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
 """
@@ -20,7 +21,14 @@ from pathlib import Path
 
 from dspine.config import apply_overrides, from_dict
 from dspine.io import update_summary
-from dspine.train.recipe import RecipeConfig, acceptance_summary, run_eval_stage, run_regen_stage, run_train_stage
+from dspine.train.recipe import (
+    RecipeConfig,
+    acceptance_summary,
+    run_eval_stage,
+    run_regen_stage,
+    run_train_stage,
+    ship_drafters,
+)
 
 
 def main() -> int:
@@ -30,15 +38,20 @@ def main() -> int:
     ap.add_argument("--out", help="eval JSON (a .md table beside it)")
     ap.add_argument("--summary", help="summary.json whose acceptance section the eval stage rewrites")
     ap.add_argument("--tiny", action="store_true", help="the CPU-test-sized recipe")
+    ap.add_argument("--base", action="store_true", help="the shipped base drafter's recipe (RecipeConfig.base_drafter)")
     ap.add_argument(
         "--resume",
         action="store_true",
         help="train stage: continue every drafter from WORK/<name>/last (after train.stop_after_s)",
     )
+    ap.add_argument(
+        "--ship", metavar="DIR", help="after training: each method's best drafter as it ships, to DIR/<method>/"
+    )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    base = asdict(RecipeConfig.cpu_tiny() if a.tiny else RecipeConfig())
+    preset = RecipeConfig.cpu_tiny() if a.tiny else RecipeConfig.base_drafter() if a.base else RecipeConfig()
+    base = asdict(preset)
     cfg = from_dict(RecipeConfig, apply_overrides(base, a.overrides), "recipe")
     if a.stage == "regen":
         print(json.dumps(run_regen_stage(cfg, a.work, progress=not a.no_progress), indent=1))
@@ -47,6 +60,8 @@ def main() -> int:
         if not rep:  # torchrun, rank > 0: rank 0 reports and evaluates
             return 0
         print(json.dumps(rep, indent=1))
+        if a.ship:
+            print({m: str(p) for m, p in ship_drafters(cfg, a.work, a.ship).items()})
     if a.stage in ("eval", "all"):
         if not a.out:
             ap.error("--out is needed for the eval stage")

@@ -117,11 +117,25 @@ def write_folder(path: str | Path, files: dict) -> Path:
     return atomic_dir(path, lambda tmp: [write(tmp / name) for name, write in files.items()])
 
 
+DERIVED = ("transfer_codes",)  # buffers recomputed from the target at load time (dspine.transfer)
+
+
 def save_drafter(
-    model: DSpineDraftModel, path: str | Path, extra: dict | None = None, config_overrides: dict | None = None
+    model: DSpineDraftModel,
+    path: str | Path,
+    extra: dict | None = None,
+    config_overrides: dict | None = None,
+    dtype: torch.dtype | None = None,
+    derived: bool = True,
 ) -> Path:
-    """Write `path/config.json` and `path/model.safetensors` atomically (temp folder, then rename)."""
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    """Write `path/config.json` and `path/model.safetensors` atomically (temp folder, then rename).
+    `dtype` casts the weights (e.g. bf16 for a drafter that ships); `derived=False` leaves out what the
+    target recomputes (DERIVED), which `load_drafter` then rebuilds."""
+    state = {
+        k: v.detach().to(dtype or v.dtype).contiguous().cpu()
+        for k, v in model.state_dict().items()
+        if derived or k not in DERIVED
+    }
     dtype = next(iter(state.values())).dtype
     cfg = config_to_json(model.config, dtype)
     cfg.update(config_overrides or {})
@@ -165,7 +179,13 @@ def load_drafter(
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{wfile}: unreadable safetensors file ({e})") from None
     model = DSpineDraftModel(cfg)
+    if target is not None:  # another target's drafter: say so before any weight check
+        try:
+            model.bind(target)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     expected = model.state_dict()
+    state.update(_derived(path, cfg, set(expected) - set(state), target))
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
@@ -180,13 +200,23 @@ def load_drafter(
     if bad:
         raise CheckpointError(f"{wfile}: weight shapes do not match the config: {bad[:4]}")
     model.load_state_dict(state, strict=True)
-    model = model.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
-    if target is not None:
-        try:
-            model.bind(target)
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}") from None
-    return model.eval()
+    stored = next(v.dtype for k, v in state.items() if k not in DERIVED)
+    return model.to(device=device, dtype=dtype or stored).eval()
+
+
+def _derived(path: Path, cfg: DSpineConfig, absent: set[str], target) -> dict[str, torch.Tensor]:
+    """The DERIVED buffers a checkpoint left out, rebuilt from the target."""
+    absent = absent & set(DERIVED)
+    if not absent:
+        return {}
+    if target is None:
+        raise CheckpointError(f"{path}: holds no {sorted(absent)} (recomputed from the target): load it with a target")
+    from dspine.transfer import build_transfer_space
+
+    try:
+        return {"transfer_codes": build_transfer_space(target.head_weight, cfg.transfer_rank).codes.cpu()}
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 DECODE_KNOBS = ("top_k",)  # drafter config fields that only decoding reads: a checkpoint serves any value

@@ -91,6 +91,19 @@ def resolve_target_path(spec: str) -> Path:
     return path
 
 
+def tools_system_text(tools: list[dict]) -> str:
+    """The system-prompt block that offers OpenAI-style `tools` to a target whose chat template has no tool
+    support (the serving protocol and the tool-calling training prompts share it)."""
+    import json
+
+    lines = "\n".join(json.dumps(t) for t in tools)
+    return (
+        f"# Tools\n\nYou can call these functions (JSON schemas):\n<tools>\n{lines}\n</tools>\n\n"
+        "To call one, reply with a <tool_call></tool_call> block per call, holding a JSON object with its name "
+        'and arguments:\n<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n</tool_call>'
+    )
+
+
 def chat_template_ids(
     tokenizer, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
 ) -> list[int]:

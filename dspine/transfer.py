@@ -7,7 +7,8 @@
 
 A decoded token enters the drafter as T[v]; a still-forming prediction enters as a readout f = R h that
 is trained (cosine) to point at T[y]. The projection P = Λ_r^{-1/2} U_r^T (r, d) and μ also initialise the
-readouts. Computed in float64 so the whitening is exact to fp32 precision.
+readouts. Computed in float64 so the whitening is exact to fp32 precision; each direction's sign is fixed
+(largest entry positive), so a checkpoint need not store the codes: they are recomputed from the target.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def build_transfer_space(head_weight: torch.Tensor, rank: int) -> TransferSpace:
     cov = wc.T @ wc / V
     evals, evecs = torch.linalg.eigh(cov)  # ascending
     evals, evecs = evals.flip(0)[:rank], evecs.flip(1)[:, :rank]
+    # an eigenvector's sign is arbitrary (it differs between LAPACK builds and devices): fix it so the codes
+    # recomputed at load time equal those a drafter was trained with — each direction's largest entry positive
+    top = evecs.abs().argmax(dim=0)
+    evecs = evecs * evecs[top, torch.arange(rank)].sign()
     if evals[-1] <= 1e-12:
         raise ValueError(f"transfer_rank={rank} exceeds the head's numerical rank")
     proj = evecs.T / evals.sqrt()[:, None]  # (r, d)

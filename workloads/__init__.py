@@ -21,6 +21,7 @@ MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\
 class Item:
     id: str
     turns: list[str]
+    system: str | None = None  # a system prompt (the tool-calling pool offers its functions there)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -118,7 +119,26 @@ BENCHMARKS = {
     "mt_bench": _mt_bench,
     "arena_hard": _arena_hard,
 }
+
+
+def _bfcl():
+    """BFCL's single-turn tool-calling questions, their functions offered in the system prompt as the server
+    offers a request's `tools` to a target without a tool-aware chat template (dspine.target.tools_system_text)."""
+    from dspine.target import tools_system_text
+
+    items = []
+    for path in sorted((DATA / "bfcl").glob("BFCL_v4_*.json.gz")):
+        for r in _jsonl(path):
+            turn = [m for m in r["question"][0] if m["role"] == "user"]
+            if not turn:
+                continue
+            tools = [{"type": "function", "function": f} for f in r["function"]]
+            items.append(Item(f"bfcl/{r['id']}", [turn[-1]["content"]], tools_system_text(tools)))
+    return items
+
+
 PROMPT_POOLS = {
+    "bfcl": _bfcl,
     "sharegpt": lambda: _sharegpt("ShareGPT_V3_filtered_500.json"),
     "sharegpt_3k": lambda: _sharegpt("sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json"),
     "gsm8k_train": _gsm8k_train,
@@ -134,8 +154,9 @@ def load_benchmark(name: str, limit: int | None = None) -> list[Item]:
     return items[:limit] if limit else items
 
 
-def load_prompts(name: str, limit: int | None = None, max_chars: int | None = None) -> list[str]:
-    """First-turn user prompts of a prompt pool or benchmark (file order), capped in count and length.
+def load_prompts(name: str, limit: int | None = None, max_chars: int | None = None) -> list[str | list[dict]]:
+    """First-turn user prompts of a prompt pool or benchmark (file order), capped in count and length; an
+    item with a system prompt comes as its messages ([system, user]).
     `name` may join pools with '+' (e.g. "sharegpt_3k+gsm8k_train"): the limit applies to each pool."""
     out = []
     for part in name.split("+"):
@@ -144,6 +165,11 @@ def load_prompts(name: str, limit: int | None = None, max_chars: int | None = No
             raise ValueError(f"unknown workload {part!r}; known: {sorted(set(PROMPT_POOLS) | set(BENCHMARKS))}")
         prompts = [
             it.turns[0]
+            if it.system is None
+            else [
+                {"role": "system", "content": it.system},
+                {"role": "user", "content": it.turns[0]},
+            ]
             for it in loader()
             if it.turns[0].strip() and (max_chars is None or len(it.turns[0]) <= max_chars)
         ]

@@ -30,6 +30,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from dspine.target import tools_system_text
+
 EFFORTS = ("none", "low", "medium", "high", "xhigh")
 
 
@@ -272,12 +274,7 @@ def template_has_tools(template: str | None) -> bool:
 
 
 def tools_system_block(tools: list[Tool], tool_choice) -> str:
-    lines = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
-    text = (
-        f"# Tools\n\nYou can call these functions (JSON schemas):\n<tools>\n{lines}\n</tools>\n\n"
-        "To call one, reply with a <tool_call></tool_call> block per call, holding a JSON object with its name "
-        'and arguments:\n<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n</tool_call>'
-    )
+    text = tools_system_text([t.model_dump(exclude_none=True) for t in tools])
     if tool_choice == "required":
         text += "\n\nCall at least one function."
     elif isinstance(tool_choice, NamedToolChoice):

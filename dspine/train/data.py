@@ -96,9 +96,10 @@ def _encode(target: Target, todo: list[tuple[str, str]], max_new_tokens: int, er
     encoded = []
     for i, p in todo:
         try:
-            if not isinstance(p, str) or not p.strip():
+            messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
+            if not messages or not all(str(m.get("content", "")).strip() for m in messages):
                 raise ValueError("empty prompt")
-            ids = target.chat_ids([{"role": "user", "content": p}])
+            ids = target.chat_ids(messages)
             if len(ids) + max_new_tokens > max_ctx:
                 raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new exceeds the context {max_ctx}")
             encoded.append((i, p, ids))
@@ -109,7 +110,7 @@ def _encode(target: Target, todo: list[tuple[str, str]], max_new_tokens: int, er
 
 def regenerate_dataset(
     target: Target,
-    items: list[tuple[str, str]],
+    items: list[tuple[str, str | list[dict]]],
     out: str | Path,
     max_new_tokens: int = 256,
     batch_size: int = 16,
@@ -119,7 +120,8 @@ def regenerate_dataset(
     progress: bool = True,
     seed: int = 0,
 ) -> RegenReport:
-    """items: (id, prompt). Answers every prompt not already in `out`; returns the accounting."""
+    """items: (id, prompt text or chat messages). Answers every prompt not already in `out`; returns the
+    accounting."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tqdm.auto import tqdm
@@ -162,7 +164,7 @@ def regenerate_dataset(
             rows.append(
                 {
                     "id": i,
-                    "prompt": p,
+                    "prompt": p if isinstance(p, str) else json.dumps(p),
                     "thinking": thinking,
                     "prompt_ids": ids,
                     "response_ids": resp,
@@ -195,11 +197,14 @@ def regenerate_dataset(
     return report
 
 
-def workload_items(workload: str, limit: int | None = None, max_chars: int | None = None) -> list[tuple[str, str]]:
-    """(id, prompt) of a workload's prompts (`dspine.workloads.load_prompts`), ids "<workload>/<index>"."""
+def workload_items(
+    workload: str, limit: int | None = None, max_chars: int | None = None, suffix: str = ""
+) -> list[tuple[str, str | list[dict]]]:
+    """(id, prompt) of a workload's prompts (`dspine.workloads.load_prompts`), ids "<workload>/<index><suffix>"."""
     from dspine.workloads import load_prompts
 
-    return [(f"{workload}/{i}", p) for i, p in enumerate(load_prompts(workload, limit=limit, max_chars=max_chars))]
+    prompts = load_prompts(workload, limit=limit, max_chars=max_chars)
+    return [(f"{workload}/{i}{suffix}", p) for i, p in enumerate(prompts)]
 
 
 def load_samples(path: str | Path, min_response: int = 1) -> list[tuple[list[int], int]]:

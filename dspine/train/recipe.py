@@ -46,6 +46,11 @@ class RecipeConfig:
     num_prompts: int = 4000  # per pool
     max_new_tokens: int = 256
     regen_batch: int = 512
+    # a second answer to these pools' prompts, sampled (more data, and the T > 0 distribution); "" = none
+    sampled_workload: str = ""
+    sampled_num_prompts: int = 4000  # per pool
+    sampled_temperature: float = 1.0
+    warm_from: str = ""  # a folder with <drafter name>/ checkpoints: each drafter starts from its weights
     heldout: int = 64  # regenerated samples (a seeded random choice) kept out of training for simulated τ
     layers: int = 5
     block_size: int = 16
@@ -98,6 +103,24 @@ class RecipeConfig:
         return {**{m: Ablation(method=m) for m in self.methods}, **self.ablations}
 
     @classmethod
+    def base_drafter(cls) -> RecipeConfig:
+        """The shipped base drafter's recipe: every training pool (chat, math, code, tool calling) answered
+        greedily, plus a sampled (T = 1) answer to up to 3000 prompts per pool; DSpine and DFlash in
+        lockstep; continued across GPU runs by `warm_from` (the previous run's shipped drafters)."""
+        pools = "sharegpt_3k+sharegpt+gsm8k_train+mbpp_train+bfcl"
+        return cls(
+            workload=pools,
+            num_prompts=100_000,
+            sampled_workload=pools,
+            sampled_num_prompts=3000,
+            regen_batch=768,
+            heldout=128,
+            methods=["dspine", "dflash"],
+            ablations={},
+            eval_workers=16,
+        )
+
+    @classmethod
     def cpu_tiny(cls) -> RecipeConfig:
         return cls(
             device="cpu",
@@ -133,17 +156,31 @@ def run_regen_stage(cfg: RecipeConfig, work: str | Path, target=None, progress: 
     if target is None:
         target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     load_s = time.time() - t0  # ~0 when the caller loaded the target (run_train_stage reports its own)
-    items = workload_items(cfg.workload, limit=cfg.num_prompts, max_chars=2000)
     t0 = time.time()
-    rep = regenerate_dataset(
-        target,
-        items,
-        work / "data",
-        max_new_tokens=cfg.max_new_tokens,
-        batch_size=cfg.regen_batch,
-        progress=progress,
-    )
-    return {"regen": asdict(rep), "load_s": load_s, "regen_s": time.time() - t0}
+    out = {"load_s": load_s}
+    for folder, workload, limit, temp in _regen_sets(cfg):
+        items = workload_items(workload, limit=limit, max_chars=2000, suffix=f"@T{temp:g}" if temp else "")
+        rep = regenerate_dataset(
+            target,
+            items,
+            work / folder,
+            max_new_tokens=cfg.max_new_tokens,
+            batch_size=cfg.regen_batch,
+            temperature=temp,
+            progress=progress,
+        )
+        out["regen" if folder == "data" else f"regen_{folder}"] = asdict(rep)
+    out["regen_s"] = time.time() - t0
+    return out
+
+
+def _regen_sets(cfg: RecipeConfig) -> list[tuple[str, str, int, float]]:
+    """(folder, workload, prompts per pool, temperature) of each regenerated set."""
+    sets = [("data", cfg.workload, cfg.num_prompts, 0.0)]
+    if cfg.sampled_workload:
+        t = cfg.sampled_temperature
+        sets.append((f"data_t{t:g}", cfg.sampled_workload, cfg.sampled_num_prompts, t))
+    return sets
 
 
 def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, resume: bool = False) -> dict:
@@ -164,9 +201,11 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
         _barrier()
     variants = cfg.variants()
     before = {n: previous["methods"][n]["tau_sim_before"] for n in variants} if resume else None
+    samples = [s for folder, *_ in _regen_sets(cfg) for s in load_samples(work / folder)]
+    warm = {n: Path(cfg.warm_from) / n for n in variants} if cfg.warm_from and not resume else None
     rep = run(
         target,
-        load_samples(work / "data"),
+        samples,
         variants,
         {n: work / n for n in variants},
         cfg.train,
@@ -174,6 +213,7 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
         block_size=cfg.block_size,
         heldout=cfg.heldout,
         resume=resume,
+        warm_from=warm,
         before=before,
         rank=rank,
         progress=progress,
@@ -229,6 +269,19 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
         doc["train_report"] = json.loads(rep.read_text())
     write_results(doc, out_json)
     return doc
+
+
+def ship_drafters(cfg: RecipeConfig, work: str | Path, dest: str | Path) -> dict[str, Path]:
+    """Each method's best drafter as it ships (dest/<name>/): bf16 weights without what the target
+    recomputes (checkpoint.DERIVED), its training record in config.json's dspine_training."""
+    from dspine.checkpoint import load_drafter, save_drafter
+
+    work, out = Path(work), {}
+    for m in cfg.methods:
+        src = work / m / "best"
+        record = json.loads((src / "config.json").read_text()).get("dspine_training")
+        out[m] = save_drafter(load_drafter(src), Path(dest) / m, extra=record, dtype=torch.bfloat16, derived=False)
+    return out
 
 
 def acceptance_summary(doc: dict) -> dict:

@@ -83,7 +83,7 @@ def run(
     block_size: int = 16,
     heldout: int = 64,
     resume: bool = False,
-    warm_from: str | Path | None = None,
+    warm_from: str | Path | dict[str, str | Path] | None = None,
     before: dict[str, float] | None = None,
     rank: int = 0,
     progress: bool = True,
@@ -102,7 +102,10 @@ def run(
     if not train_pairs or not eval_pairs:
         raise ConfigError(f"{len(samples)} samples are too few for a held-out set of {heldout} and a training set")
     drafters = build_drafters(target, specs, layers, block_size, cfg.seed, dtype, device)
-    if warm_from:
+    if isinstance(warm_from, dict):
+        for n, d in drafters.items():
+            warm_start([d], warm_from[n], target)
+    elif warm_from:
         warm_start(list(drafters.values()), warm_from, target)
     for d in drafters.values():
         d.bind(target)
@@ -121,7 +124,7 @@ def run(
             log=(lambda row: logf.write(json.dumps(row) + "\n")) if logf is not None else None,
             outs={n: Path(o) for n, o in outs.items()},
             resume=resume,
-            extra={**(extra or {}), "warm_start": str(warm_from) if warm_from else None},
+            extra={**(extra or {}), "warm_start": _jsonable_path(warm_from)},
             losses=losses,
         )
     if device.startswith("cuda"):
@@ -150,3 +153,7 @@ def run(
         "seconds": secs,
         "elapsed_total_s": next(iter(hist.values()))[-1]["elapsed_s"] if steps else 0.0,
     }
+
+
+def _jsonable_path(p):
+    return {n: str(v) for n, v in p.items()} if isinstance(p, dict) else (str(p) if p else None)
