@@ -219,6 +219,24 @@ def _derived(path: Path, cfg: DSpineConfig, absent: set[str], target) -> dict[st
         raise CheckpointError(f"{path}: {e}") from None
 
 
+def resolve_drafter(spec: str | None, target: str, default: bool = False) -> str | None:
+    """A --drafter value -> a checkpoint folder, or None for AR. "builtin" is the drafter that ships for the
+    built-in `target`; "none" is no drafter; with `default`, an absent value means "builtin" when the target
+    has a shipped drafter (and AR otherwise)."""
+    from dspine.drafters import BUILTIN, builtin_drafter
+
+    if spec is None:
+        return str(builtin_drafter(target)) if default and target in BUILTIN else None
+    if spec == "none":
+        return None
+    if spec == "builtin":
+        try:
+            return str(builtin_drafter(target))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    return spec
+
+
 DECODE_KNOBS = ("top_k",)  # drafter config fields that only decoding reads: a checkpoint serves any value
 
 

@@ -124,7 +124,11 @@ def _add_serve(sub) -> None:
         "shape (return_spec_tokens_details / return_meta_info).",
     )
     _add_target(s)
-    s.add_argument("--drafter", help="drafter checkpoint; without it the server decodes AR")
+    s.add_argument(
+        "--drafter",
+        help="drafter checkpoint folder, 'builtin' (the drafter shipped for the built-in target) or 'none' "
+        "(AR) (default: builtin for the built-in target, else none)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--served-model-name", default="dspine", help="the model id clients ask for (default: %(default)s)")
@@ -206,7 +210,15 @@ def _add_export(sub) -> None:
         "missing or extra weight name is an error (SGLang itself would skip it).",
     )
     x.add_argument("--to", choices=("sglang",), default="sglang", help="the serving stack (default: %(default)s)")
-    x.add_argument("--drafter", required=True, help="drafter checkpoint folder")
+    x.add_argument(
+        "--drafter", required=True, help="drafter checkpoint folder, or 'builtin' (the built-in target's drafter)"
+    )
+    x.add_argument(
+        "--target",
+        default="smollm2-135m-instruct",
+        help="the drafter's target: 'builtin' resolves for it, and a drafter shipped without its code table "
+        "has it recomputed from it (default: %(default)s)",
+    )
     x.add_argument("--out", required=True, help="export folder (written atomically)")
     x.add_argument(
         "--dtype",
@@ -383,11 +395,12 @@ def _dtype(name: str):
 def cmd_generate(a) -> int:
     import torch
 
-    from dspine.checkpoint import load_drafter, read_config
+    from dspine.checkpoint import load_drafter, read_config, resolve_drafter
     from dspine.engine import Engine
     from dspine.sampling import SamplingParams
     from dspine.target import load_target
 
+    a.drafter = resolve_drafter(a.drafter, a.target, default=a.method in (None, "dspine"))
     saved = read_config(a.drafter).method if a.drafter else None
     method = a.method or saved or "ar"
     if method != "ar" and not a.drafter:
@@ -525,13 +538,14 @@ def cmd_train(a) -> int:
 def cmd_serve(a) -> int:
     from pathlib import Path
 
-    from dspine.checkpoint import load_drafter
+    from dspine.checkpoint import load_drafter, resolve_drafter
     from dspine.engine import Engine
     from dspine.serve.server import ServeConfig, serve
     from dspine.target import load_target
 
     if a.max_batch < 1 or a.max_queue < 1 or a.grace_seconds < 0:
         raise UsageError("--max-batch and --max-queue must be >= 1, --grace-seconds >= 0")
+    a.drafter = resolve_drafter(a.drafter, a.target, default=True)
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device) if a.drafter else None
     cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch, max_queue=a.max_queue,
@@ -580,9 +594,11 @@ def cmd_dashboard(a) -> int:
 
 
 def cmd_export(a) -> int:
+    from dspine.checkpoint import resolve_drafter
     from dspine.sglang.export import export_sglang
 
-    print(json.dumps(export_sglang(a.drafter, a.out, _dtype(a.dtype), top_k=a.top_k)))
+    print(json.dumps(export_sglang(resolve_drafter(a.drafter, a.target), a.out, _dtype(a.dtype), top_k=a.top_k,
+                                   target=a.target)))  # fmt: skip
     return 0
 
 
@@ -597,15 +613,17 @@ def _benchmark_names(text: str) -> list[str]:
     return names
 
 
-def _drafter_specs(items: list[str]) -> dict[str, str]:
-    """NAME=CHECKPOINT options -> {name: path}; each config is read now, before the target is loaded."""
-    from dspine.checkpoint import read_config
+def _drafter_specs(items: list[str], target: str) -> dict[str, str]:
+    """NAME=CHECKPOINT options (CHECKPOINT may be 'builtin') -> {name: path}; each config is read now, before
+    the target is loaded."""
+    from dspine.checkpoint import read_config, resolve_drafter
 
     specs = {}
     for d in items:
         if "=" not in d:
             raise UsageError(f"--drafter {d!r} is not NAME=CHECKPOINT")
         name, path = d.split("=", 1)
+        path = resolve_drafter(path, target) or path
         read_config(path)
         specs[name] = path
     return specs
@@ -628,7 +646,7 @@ def cmd_bench(a) -> int:
     benches = _benchmark_names(a.benchmarks)
     if a.limit <= 0 or a.max_new_tokens <= 0:
         raise UsageError("--limit and --max-new-tokens must be positive")
-    specs = _drafter_specs(a.drafter)
+    specs = _drafter_specs(a.drafter, a.target)
     conc = _concurrencies(a.concurrency or ("1,4,16,32" if a.backend == "sglang" else "1"))
     if a.backend == "sglang":
         from dspine.sglang.bench import SGLangBenchConfig, run_sglang_bench
@@ -701,7 +719,7 @@ def cmd_eval(a) -> int:
         raise UsageError("--workers must be >= 1")
     if a.turns is not None and a.turns < 1:
         raise UsageError("--turns must be >= 1")
-    specs = _drafter_specs(a.drafter)
+    specs = _drafter_specs(a.drafter, a.target)
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.access(out_dir if os.path.isdir(out_dir) else os.path.dirname(out_dir), os.W_OK):
         raise UsageError(f"cannot write {a.out}")

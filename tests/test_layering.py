@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"dspine": "dspine", "kernels": "dspine.kernels", "workloads": "dspine.workloads",
-           "agents": "dspine.agents", "adapt": "dspine.adapt"}  # fmt: skip
+           "agents": "dspine.agents", "adapt": "dspine.adapt", "drafters": "dspine.drafters"}  # fmt: skip
 RANK = {"core": 0, "eval": 1, "train": 2, "serve": 3, "sglang": 3, "agents": 4, "adapt": 5, "cli": 6}
 SUBPACKAGES = {"eval", "train", "serve", "sglang", "agents", "adapt"}
 OWNER = {"fastapi": "serve", "uvicorn": "serve", "litellm": ("serve", "agents"), "prometheus_client": "serve",
@@ -70,7 +70,7 @@ def violations(root: Path) -> list[str]:
                 out.append(f"{where} ({top} belongs to {OWNER[top]})")
             if top == "triton" and not module.startswith("dspine.kernels"):
                 out.append(f"{where} (triton is imported by dspine.kernels only)")
-            if top in ("kernels", "workloads", "agents", "adapt"):
+            if top in ("kernels", "workloads", "agents", "adapt", "drafters"):
                 out.append(f"{where} (a top-level name; use dspine.{top})")
             if top != "dspine" or name == "dspine":
                 continue
@@ -133,8 +133,8 @@ def test_dspine_is_the_only_top_level_name(tmp_path):
     import sys
 
     code = (
-        "import importlib.util, json, dspine.kernels, dspine.workloads, dspine.agents, dspine.adapt\n"
-        "spec = {n: importlib.util.find_spec(n) for n in ('kernels', 'workloads', 'agents', 'adapt')}\n"
+        "import importlib.util, json, dspine.kernels, dspine.workloads, dspine.agents, dspine.adapt, dspine.drafters\n"
+        "spec = {n: importlib.util.find_spec(n) for n in ('kernels', 'workloads', 'agents', 'adapt', 'drafters')}\n"
         "print(json.dumps({n: s.origin if s else None for n, s in spec.items()}))\n"
         "print(dspine.kernels.__file__)\n"
     )

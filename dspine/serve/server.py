@@ -656,7 +656,7 @@ def start_server_process(
 
     port = port or free_port()
     cmd = [sys.executable, "-m", "dspine.cli", "serve", "--port", str(port), "--served-model-name", name]
-    cmd += (["--drafter", str(drafter)] if drafter else []) + (["--target", target] if target else []) + (extra or [])
+    cmd += ["--drafter", str(drafter) if drafter else "none"] + (["--target", target] if target else []) + (extra or [])
     proc = subprocess.Popen(cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     wait_http(base + "/health", proc, 240)

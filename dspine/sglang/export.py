@@ -97,10 +97,20 @@ def validate_sglang_export(path: str | Path) -> dict:
 
 
 def export_sglang(
-    ckpt: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16, top_k: int | None = None
+    ckpt: str | Path,
+    out: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    top_k: int | None = None,
+    target: str | None = None,
 ) -> dict:
-    """`top_k`: the transition-cache width the server walks, when not the checkpoint's (decode-time only)."""
-    model = load_at(ckpt if top_k is None else (ckpt, {"top_k": top_k}))
+    """`top_k`: the transition-cache width the server walks, when not the checkpoint's (decode-time only).
+    `target` (a target spec): needed for a checkpoint shipped without its code table, recomputed from it."""
+    tgt = None
+    if target is not None and not _has_all_weights(ckpt):
+        from dspine.target import load_target
+
+        tgt = load_target(target)
+    model = load_at(ckpt if top_k is None else (ckpt, {"top_k": top_k}), tgt)
     codes = model.transfer_codes.detach().clone() if model.config.uses_injection else None
     model = model.to(dtype)
     if codes is not None:
@@ -120,3 +130,18 @@ def export_sglang(
 
         shutil.rmtree(out, ignore_errors=True)  # never leave an export SGLang would load wrongly
         raise
+
+
+def _has_all_weights(ckpt: str | Path) -> bool:
+    """Whether a checkpoint holds its derivable buffers too (else loading it needs the target)."""
+    from safetensors import SafetensorError, safe_open
+
+    from dspine.checkpoint import DERIVED, read_config
+
+    if not read_config(ckpt).uses_injection:
+        return True
+    try:
+        with safe_open(str(Path(ckpt) / "model.safetensors"), "pt") as f:
+            return set(DERIVED) <= set(f.keys())
+    except (SafetensorError, OSError):  # unreadable: load_at names the problem
+        return True

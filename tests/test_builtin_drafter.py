@@ -1,0 +1,91 @@
+"""The drafter that ships for the built-in target: found by name, complete once loaded (its code table
+recomputed from the target), lossless, actually trained, and refused cleanly when it cannot serve."""
+
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_target
+
+from dspine.checkpoint import CheckpointError, load_drafter, resolve_drafter, save_drafter
+from dspine.cli import main
+from dspine.drafters import builtin_drafter
+from dspine.engine import Engine
+from dspine.sampling import SamplingParams
+from dspine.transfer import build_transfer_space
+from dspine.workloads import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def shipped(smollm2):
+    return load_drafter(builtin_drafter("smollm2-135m-instruct"), smollm2, dtype=torch.float32)
+
+
+def test_builtin_resolves_by_name_and_by_default():
+    path = builtin_drafter("smollm2-135m-instruct")
+    assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+    assert resolve_drafter("builtin", "smollm2-135m-instruct") == str(path)
+    assert resolve_drafter(None, "smollm2-135m-instruct", default=True) == str(path)
+    assert resolve_drafter(None, "smollm2-135m-instruct") is None
+    assert resolve_drafter("none", "smollm2-135m-instruct", default=True) is None
+    assert resolve_drafter(None, "/some/hf/folder", default=True) is None
+    with pytest.raises(CheckpointError, match="no drafter ships for target '/some/hf/folder'"):
+        resolve_drafter("builtin", "/some/hf/folder")
+
+
+def test_shipped_weights_are_bf16_without_the_code_table(smollm2, shipped):
+    from safetensors import safe_open
+
+    with safe_open(str(builtin_drafter("smollm2-135m-instruct") / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        dtypes = {f.get_slice(k).get_dtype() for k in keys}
+    assert "transfer_codes" not in keys and dtypes == {"BF16"}
+    want = build_transfer_space(smollm2.head_weight, shipped.config.transfer_rank).codes
+    assert torch.equal(shipped.transfer_codes, want)
+
+
+def test_shipped_drafter_is_lossless_and_trained(smollm2, shipped):
+    """Exact AR output at T = 0 on two held-out benchmark prompts, and more than one token per round (a
+    drafter whose weights were lost or mis-mapped serves tau = 1.0 while still being lossless)."""
+    spec, ar = Engine(smollm2, shipped), Engine(smollm2)
+    taus = []
+    for item in load_benchmark("gsm8k", limit=2):
+        p = SamplingParams(max_tokens=48)
+        r = spec.generate(item.turns[0], p)
+        assert r.token_ids == ar.generate(item.turns[0], p).token_ids
+        taus.append(r.stats.tau)
+    assert sum(taus) / len(taus) > 1.5, taus
+
+
+def test_codes_present_or_absent_load_the_same(smollm2, shipped, tmp_path):
+    full = save_drafter(shipped, tmp_path / "full")  # fp32 with the code table
+    slim = save_drafter(shipped, tmp_path / "slim", dtype=torch.bfloat16, derived=False)
+    a, b = load_drafter(full, smollm2), load_drafter(slim, smollm2, dtype=torch.float32)
+    assert torch.equal(a.transfer_codes, b.transfer_codes)
+    with pytest.raises(CheckpointError, match="holds no \\['transfer_codes'\\].*load it with a target"):
+        load_drafter(slim)
+    assert load_drafter(full).transfer_codes.shape == shipped.transfer_codes.shape  # complete: no target needed
+
+
+def test_shipped_drafter_refused_for_another_target_or_when_truncated(tmp_path):
+    src = builtin_drafter("smollm2-135m-instruct")
+    with pytest.raises(CheckpointError, match="drafter was built for vocab 49152 / hidden 576"):
+        load_drafter(src, tiny_target("llama"))
+    bad = tmp_path / "truncated"
+    shutil.copytree(src, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(CheckpointError, match="unreadable safetensors file"):
+        load_drafter(bad)
+
+
+def test_cli_uses_the_builtin_drafter(capsys, tmp_path):
+    import json
+
+    assert main(["generate", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["method"] == "dspine"
+    assert main(["generate", "--drafter", "none", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["method"] == "ar"
+    assert main(["export", "--to", "sglang", "--drafter", "builtin", "--out", str(tmp_path / "x")]) == 0
+    assert (tmp_path / "x" / "model.safetensors").is_file()
