@@ -19,10 +19,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	dspine train --method dspine --out $(DEMO) --num-prompts 16 --max-new-tokens 64 \
-	    train.steps=40 train.batch_size=2 train.anchors_per_seq=8 train.eval_every=20
-	dspine generate --drafter $(DEMO)/best --max-tokens 96 \
+	# the drafter that ships for the built-in target: a reply, then AR and speculative decoding side by side
+	dspine generate --drafter builtin --max-tokens 96 \
 	    --prompt "Give me three tips for writing clear Python code."
+	dspine bench --backend engine --drafter dspine=builtin --benchmarks gsm8k,humaneval --limit 2 \
+	    --max-new-tokens 64 --out $(DEMO)/engine.json
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -m "not gpu and not slow" --durations=15

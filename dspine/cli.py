@@ -38,7 +38,12 @@ def _add_generate(sub) -> None:
         "committed per target verify round).",
     )
     _add_target(g)
-    g.add_argument("--drafter", help="drafter checkpoint folder (config.json + model.safetensors)")
+    g.add_argument(
+        "--drafter",
+        help="drafter checkpoint folder (config.json + model.safetensors), 'builtin' or 'none' (default: builtin "
+        "for the built-in target unless --method ar)",
+    )
+    g.add_argument("--draft-len", type=int, help="drafts verified per round, 1..block-1 (default: the whole block)")
     g.add_argument(
         "--method",
         choices=METHODS,
@@ -129,6 +134,7 @@ def _add_serve(sub) -> None:
         help="drafter checkpoint folder, 'builtin' (the drafter shipped for the built-in target) or 'none' "
         "(AR) (default: builtin for the built-in target, else none)",
     )
+    s.add_argument("--draft-len", type=int, help="drafts verified per round, 1..block-1 (default: the whole block)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--served-model-name", default="dspine", help="the model id clients ask for (default: %(default)s)")
@@ -300,6 +306,11 @@ def _add_bench(sub) -> None:
     )
     bn.add_argument("--out", help="JSON file to write (a .md table beside it; SGLang logs in its folder)")
     bn.add_argument(
+        "--draft-lens",
+        help="engine: measure each drafter at each of these drafts per round (comma-separated, each in "
+        "1..block-1; rows NAME/dD); default: the whole block",
+    )
+    bn.add_argument(
         "--engine-agreement",
         type=int,
         default=0,
@@ -330,7 +341,8 @@ def _add_bench(sub) -> None:
     )
     bn.add_argument(
         "--summary",
-        help="sglang: summary.json whose `speed` section is rewritten (needs drafters named dspine and dflash)",
+        help="summary.json whose section is rewritten: `speed` for sglang (needs drafters named dspine and "
+        "dflash), `cpu` for the engine",
     )
     bn.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -392,11 +404,21 @@ def _dtype(name: str):
     return getattr(torch, name)
 
 
+def _engine(target, drafter, draft_len: int | None):
+    from dspine.engine import Engine
+
+    if draft_len is not None and drafter is None:
+        raise UsageError("--draft-len needs a drafter")
+    try:
+        return Engine(target, drafter, draft_len)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def cmd_generate(a) -> int:
     import torch
 
     from dspine.checkpoint import load_drafter, read_config, resolve_drafter
-    from dspine.engine import Engine
     from dspine.sampling import SamplingParams
     from dspine.target import load_target
 
@@ -411,7 +433,7 @@ def cmd_generate(a) -> int:
     drafter = None
     if method != "ar":
         drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device)
-    engine = Engine(target, drafter)
+    engine = _engine(target, drafter, a.draft_len)
     if a.chat:
         with open(a.chat) as f:
             prompt = json.load(f)
@@ -539,7 +561,6 @@ def cmd_serve(a) -> int:
     from pathlib import Path
 
     from dspine.checkpoint import load_drafter, resolve_drafter
-    from dspine.engine import Engine
     from dspine.serve.server import ServeConfig, serve
     from dspine.target import load_target
 
@@ -551,7 +572,7 @@ def cmd_serve(a) -> int:
     cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch, max_queue=a.max_queue,
                       grace_s=a.grace_seconds)  # fmt: skip
     name = "/".join(Path(a.drafter).resolve().parts[-2:]) if a.drafter else None  # no absolute path shown
-    serve(Engine(target, drafter), a.host, a.port, cfg, drafter_name=name)
+    serve(_engine(target, drafter, a.draft_len), a.host, a.port, cfg, drafter_name=name)
     return 0
 
 
@@ -671,14 +692,36 @@ def cmd_bench(a) -> int:
     else:
         target, drafters = _load_models(a, specs)
         doc = engine_bench(
-            target, drafters, benches, a.limit, a.max_new_tokens, progress=not a.no_progress, concurrencies=conc
+            target,
+            drafters,
+            benches,
+            a.limit,
+            a.max_new_tokens,
+            progress=not a.no_progress,
+            concurrencies=conc,
+            draft_lens=_draft_lens(a.draft_lens) if a.draft_lens else None,
         )
+        if a.summary:
+            from dspine.eval.bench import cpu_summary
+            from dspine.io import update_summary
+
+            update_summary(a.summary, "cpu", cpu_summary(doc))
     table = bench_table(doc)
     if a.out:
         atomic_write_text(Path(a.out), json_text(doc))
         atomic_write_text(Path(a.out).with_suffix(".md"), table)
     print(table)
     return 0
+
+
+def _draft_lens(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--draft-lens {text!r} is not a comma-separated list of integers") from None
+    if not out or min(out) < 1:
+        raise UsageError("--draft-lens values must be >= 1")
+    return out
 
 
 def _concurrencies(text: str) -> list[int]:

@@ -145,12 +145,19 @@ def greedy_transition_walk(
 
 
 def propose(
-    drafter: DSpineDraftModel, out: DraftOutput, params: SamplingParams, generator: torch.Generator | None = None
+    drafter: DSpineDraftModel,
+    out: DraftOutput,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    draft_len: int | None = None,
 ) -> Proposal:
-    """One block per row (nb = 1) -> drafts for slots 1..B-1 and, when sampling, their q."""
+    """One block per row (nb = 1) -> drafts for slots 1..D and, when sampling, their q. D = `draft_len`
+    (default B-1): a decode-time choice — the drafter still runs its whole block, but only the first D slots
+    are scored, walked and verified (later slots are rarely reached and each costs a target row)."""
     cfg = drafter.config
-    h = out.hidden[:, 0]  # (N, B, d)
-    logits = drafter.logits(h[:, 1:])  # (N, B-1, V)
+    D = cfg.block_size - 1 if draft_len is None else draft_len
+    h = out.hidden[:, 0, : D + 1]  # (N, D+1, d)
+    logits = drafter.logits(h[:, 1:])  # (N, D, V)
     greedy = params.greedy
     if not cfg.transition_cache:
         if greedy:
@@ -164,8 +171,8 @@ def propose(
         drafter.norm,
         drafter.head,
         drafter.transfer_codes,
-        out.h_pre[:, 0],
-        out.feats[last][:, 0],
+        out.h_pre[:, 0, : D + 1],
+        out.feats[last][:, 0, : D + 1],
     )
     N, Bm1, V = logits.shape
     K = min(cfg.top_k, V)

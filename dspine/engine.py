@@ -136,10 +136,16 @@ class DraftContext:
 class Engine:
     """Generate with a target alone (`method="ar"`) or with a DSpine/DFlash/post-backbone drafter."""
 
-    def __init__(self, target: Target, drafter: DSpineDraftModel | None = None):
+    def __init__(self, target: Target, drafter: DSpineDraftModel | None = None, draft_len: int | None = None):
+        """`draft_len`: drafts verified per round (1 .. block_size-1; default block_size-1), a decode-time
+        choice: each draft costs a row of the target's verify forward."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.method = drafter.config.method if drafter is not None else "ar"
+        B = drafter.config.block_size if drafter is not None else 1
+        if draft_len is not None and not 1 <= draft_len <= B - 1:
+            raise ValueError(f"draft_len must be in [1, {B - 1}] for this drafter (block size {B}), got {draft_len}")
+        self.draft_len = draft_len or max(B - 1, 0)
         self.max_positions = target.info.max_position_embeddings
 
     # ---- inputs ----------------------------------------------------------------------------------------
@@ -230,8 +236,8 @@ class Engine:
             block = self.drafter.block_inputs(torch.tensor([[anchor]], device=dev), B)
             out = self.drafter(block, pos[None, None], ctx.kv)
             clock.lap("draft")
-            prop = propose(self.drafter, out, params, gen)
-            drafts = prop.tokens  # (1, B-1)
+            prop = propose(self.drafter, out, params, gen, self.draft_len)
+            drafts = prop.tokens  # (1, D)
             clock.lap("propose")
             logits, feats = tgt.forward(torch.cat([torch.tensor([[anchor]], device=dev), drafts], 1), cache, layer_ids)
             clock.lap("verify")
@@ -299,6 +305,7 @@ def generate_batch(
     t0 = time.perf_counter()
     layer_ids = drafter.config.target_layer_ids if drafter is not None else None
     B = drafter.config.block_size if drafter is not None else 1
+    W = engine.draft_len + 1  # rows fed to the target per round: the anchor and the drafts
     stats = [AcceptanceStats(B) if drafter is not None else None for _ in range(N)]
     stops = [_Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
     L = max(lens)
@@ -322,17 +329,18 @@ def generate_batch(
         if drafter is not None:
             mask = block_attention_mask(ctx_valid[:, None], B, drafter.config.is_causal)
             out = drafter(drafter.block_inputs(anchor_t, B), pos[:, None], ctx.kv, mask)
-            prop = propose(drafter, out, params, gen)
+            prop = propose(drafter, out, params, gen, engine.draft_len)
             feed = torch.cat([anchor_t, prop.tokens], 1)
         else:
             feed = anchor_t
-        logits, feats = tgt.forward(feed, cache, layer_ids, torch.cat([valid, valid.new_ones(N, B)], 1).long(), pos)
+        pos = pos[:, :W]
+        logits, feats = tgt.forward(feed, cache, layer_ids, torch.cat([valid, valid.new_ones(N, W)], 1).long(), pos)
         if drafter is not None:
             n_acc, nxt = verify(prop, logits, params, gen)
         else:
             n_acc = torch.zeros(N, dtype=torch.long, device=dev)
             nxt = torch.tensor([engine._pick(logits[i, -1], params, gen) for i in range(N)], device=dev)
-        kept = torch.arange(B, device=dev)[None] <= n_acc[:, None]  # (N, B): anchor + accepted drafts
+        kept = torch.arange(W, device=dev)[None] <= n_acc[:, None]  # (N, W): anchor + accepted drafts
         valid = torch.cat([valid, kept], 1)
         if drafter is not None:
             ctx.extend(feats, pos)

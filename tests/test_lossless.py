@@ -149,3 +149,32 @@ def test_forced_continuation_replays_the_same_rounds(tiny, method):
         assert len(other) <= replayed.stats.accepted + replayed.stats.rounds + 1 <= len(other) + 1
     with pytest.raises(Exception, match="forced continuation needs greedy"):
         spec.generate(pairs[0][0][:4], SamplingParams(temperature=1.0), forced=[1, 2])
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspine"])
+def test_shorter_draft_len_stays_lossless(tiny, method):
+    """Verifying only the first D drafts of each block (a decode-time choice) keeps AR's output, single and
+    batched, and no round accepts more than D drafts."""
+    from dspine.engine import generate_batch
+
+    target, pairs = tiny
+    ar = Engine(target)
+    drafter = brief_train(
+        DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4),
+        target,
+        pairs[4:],
+        steps=40,
+    )
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [ids[:start] for ids, start in pairs[:3]]
+    for D in (1, 3):
+        eng = Engine(target, drafter, draft_len=D)
+        for p in prompts:
+            got = eng.generate(p, params)
+            assert got.token_ids == ar.generate(p, params).token_ids
+            assert not any(got.stats.accept_hist[D + 1 :])  # accept_hist[n]: rounds that accepted n drafts
+        assert [g.token_ids for g in generate_batch(eng, prompts, params)] == [
+            ar.generate(p, params).token_ids for p in prompts
+        ]
+    with pytest.raises(ValueError, match="draft_len must be in \\[1, 7\\]"):
+        Engine(target, drafter, draft_len=8)

@@ -38,13 +38,18 @@ def engine_bench(
     temperature: float = 0.0,
     progress: bool = True,
     concurrencies: list[int] | None = None,
+    draft_lens: list[int] | None = None,
 ) -> dict:
     """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: the items in groups of c, each
-    group decoded together (engine.generate_batch), throughput and τ only."""
+    group decoded together (engine.generate_batch), throughput and τ only. `draft_lens`: each drafter is
+    measured at each of these drafts-per-round (rows "<name>/d<D>"), side by side."""
     from tqdm.auto import tqdm
 
     items = [(b, it) for b in benchmarks for it in load_benchmark(b, limit)]
-    engines = {"ar": Engine(target), **{n: Engine(target, d) for n, d in drafters.items()}}
+    engines = {"ar": Engine(target)}
+    for n, d in drafters.items():
+        for D in draft_lens or [None]:
+            engines[n if D is None else f"{n}/d{D}"] = Engine(target, d, D)
     rows, tau_bench = {}, {}
     batched = [c for c in (concurrencies or [1]) if c > 1]
     bar = tqdm(total=len(items) * len(engines) * (1 + len(batched)), desc="bench", disable=not progress)
@@ -105,6 +110,24 @@ def engine_bench(
         "dtype": str(target.dtype).replace("torch.", ""),
         **provenance(),
     }
+
+
+def cpu_summary(doc: dict) -> dict:
+    """The `cpu` section of bench/results/summary.json from an engine bench: per drafter row, speculative vs
+    AR tokens/s at concurrency 1 (and batched when measured), the round in AR steps and τ."""
+    rows, by_conc = doc["rows"], doc.get("by_concurrency") or {}
+    out = {}
+    for name, r in rows.items():
+        if name == "ar":
+            continue
+        out[name] = {
+            "spec_vs_ar_c1": r["speedup_vs_ar"],
+            "round_over_ar_step": r.get("round_over_ar_step"),
+            "tau": r.get("tau_mean"),
+            **{f"spec_vs_ar_c{c}": cr[name]["speedup_vs_ar"] for c, cr in by_conc.items() if c != "1"},
+        }
+    return {"rows": out, "ar_tokens_per_s_c1": rows["ar"]["tokens_per_s"],
+            **{k: doc[k] for k in ("benchmarks", "limit", "max_new_tokens", "git_sha", "command", "hardware")}}  # fmt: skip
 
 
 def _method_rows(doc: dict) -> str:
