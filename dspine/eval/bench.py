@@ -126,8 +126,8 @@ def cpu_summary(doc: dict) -> dict:
             "tau": r.get("tau_mean"),
             **{f"spec_vs_ar_c{c}": cr[name]["speedup_vs_ar"] for c, cr in by_conc.items() if c != "1"},
         }
-    return {"rows": out, "ar_tokens_per_s_c1": rows["ar"]["tokens_per_s"],
-            **{k: doc[k] for k in ("benchmarks", "limit", "max_new_tokens", "git_sha", "command", "hardware")}}  # fmt: skip
+    keep = ("benchmarks", "limit", "max_new_tokens", "git_sha", "command", "hardware")
+    return {"rows": out, "ar_tokens_per_s_c1": rows["ar"]["tokens_per_s"], **{k: doc[k] for k in keep}}
 
 
 def _method_rows(doc: dict) -> str:
