@@ -274,14 +274,25 @@ def _finish_open_rows(stops: list, done: list[bool], reason: str) -> None:
             stops[i].finish_reason, done[i] = reason, True
 
 
-@torch.no_grad()
 def generate_batch(
     engine: Engine,
     prompts: list,
     params: SamplingParams | list[SamplingParams] | None = None,
     on_tokens: list | None = None,
 ) -> list[GenerationResult]:
-    """Decode several requests together (one target forward and one drafter forward per round for all rows).
+    """Decode several requests together (one target forward and one drafter forward per round for all rows)
+    -> one GenerationResult per prompt. See BatchDecode."""
+    if not prompts:
+        return []
+    run = BatchDecode(engine, prompts, params, on_tokens)
+    while not run.done:
+        run.step()
+    return run.results()
+
+
+class BatchDecode:
+    """A batch of requests decoded round by round: `step()` runs one round for every row, so a scheduler can
+    interleave several batches (the server lets a new batch start while a long one is still decoding).
 
     Rows advance by different amounts, so nothing is cropped: each row's target KV cache and drafter context
     keep every position they were fed, and a validity mask (N, positions) hides what a row did not commit
@@ -289,88 +300,105 @@ def generate_batch(
     has finished keeps riding along until all have; its tokens are not recorded. `params` is one
     SamplingParams or one per row: rows may differ in max_tokens, stop and ignore_eos, not in how tokens are
     drawn (temperature, top-k, top-p; one generator, seeded from the first row). `on_tokens[i]` sees row i's
-    tokens as they are committed (False aborts that row).
-    """
-    if not prompts:
-        return []
-    per_row = params if isinstance(params, list) else [params] * len(prompts)
-    rows = [(p or SamplingParams()).validate() for p in per_row]
-    params = rows[0]
-    if any((r.temperature, r.top_k, r.top_p) != (params.temperature, params.top_k, params.top_p) for r in rows):
-        raise ValueError("rows of one batch must share temperature, top_k and top_p")
-    tgt, dev, drafter = engine.target, engine.target.device, engine.drafter
-    ids = [engine.prompt_ids(p) for p in prompts]
-    N, lens = len(ids), [len(x) for x in ids]
-    gen = _generator(dev, params.seed)
-    t0 = time.perf_counter()
-    layer_ids = drafter.config.target_layer_ids if drafter is not None else None
-    B = drafter.config.block_size if drafter is not None else 1
-    W = engine.draft_len + 1  # rows fed to the target per round: the anchor and the drafts
-    stats = [AcceptanceStats(B) if drafter is not None else None for _ in range(N)]
-    stops = [_Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
-    L = max(lens)
-    inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
-    valid = torch.arange(L, device=dev)[None] < torch.tensor(lens, device=dev)[:, None]  # (N, L)
-    cache = tgt.new_cache()
-    logits, feats = tgt.forward(inp, cache, layer_ids, valid.long(), torch.arange(L, device=dev).expand(N, L))
-    committed = torch.tensor(lens, device=dev)  # tokens each row has in its cache = the anchor's position
-    anchors = [engine._pick(logits[i, n - 1], params, gen) for i, n in enumerate(lens)]
-    done = [stops[i].push(a) for i, a in enumerate(anchors)]
-    ctx = ctx_valid = None
-    if drafter is not None:
-        ctx, ctx_valid = DraftContext(drafter), valid
-        ctx.extend(feats, torch.arange(L, device=dev).expand(N, L))
-    while not all(done):
-        if int(committed.max()) + B > engine.max_positions:
-            _finish_open_rows(stops, done, "length")
-            break
-        pos = committed[:, None] + torch.arange(B, device=dev)  # (N, B); B = 1 for AR
-        anchor_t = torch.tensor(anchors, device=dev)[:, None]
+    tokens as they are committed (False aborts that row)."""
+
+    @torch.no_grad()
+    def __init__(self, engine: Engine, prompts: list, params=None, on_tokens: list | None = None):
+        per_row = params if isinstance(params, list) else [params] * len(prompts)
+        rows = [(p or SamplingParams()).validate() for p in per_row]
+        self.params = params = rows[0]
+        if any((r.temperature, r.top_k, r.top_p) != (params.temperature, params.top_k, params.top_p) for r in rows):
+            raise ValueError("rows of one batch must share temperature, top_k and top_p")
+        self.engine, self.drafter = engine, engine.drafter
+        tgt, dev, drafter = engine.target, engine.target.device, engine.drafter
+        ids = [engine.prompt_ids(p) for p in prompts]
+        N, self.lens = len(ids), [len(x) for x in ids]
+        self.gen = _generator(dev, params.seed)
+        self.t0 = time.perf_counter()
+        self.layer_ids = drafter.config.target_layer_ids if drafter is not None else None
+        self.B = drafter.config.block_size if drafter is not None else 1
+        self.W = engine.draft_len + 1  # rows fed to the target per round: the anchor and the drafts
+        self.stats = [AcceptanceStats(self.B) if drafter is not None else None for _ in range(N)]
+        self.stops = [_Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
+        L = max(self.lens)
+        inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
+        self.valid = torch.arange(L, device=dev)[None] < torch.tensor(self.lens, device=dev)[:, None]  # (N, L)
+        self.cache = tgt.new_cache()
+        pos = torch.arange(L, device=dev).expand(N, L)
+        logits, feats = tgt.forward(inp, self.cache, self.layer_ids, self.valid.long(), pos)
+        self.committed = torch.tensor(self.lens, device=dev)  # tokens each row has in its cache = the anchor's position
+        self.anchors = [engine._pick(logits[i, n - 1], params, self.gen) for i, n in enumerate(self.lens)]
+        self.finished = [self.stops[i].push(a) for i, a in enumerate(self.anchors)]
+        self.ctx = self.ctx_valid = None
         if drafter is not None:
-            mask = block_attention_mask(ctx_valid[:, None], B, drafter.config.is_causal)
-            out = drafter(drafter.block_inputs(anchor_t, B), pos[:, None], ctx.kv, mask)
-            prop = propose(drafter, out, params, gen, engine.draft_len)
+            self.ctx, self.ctx_valid = DraftContext(drafter), self.valid
+            self.ctx.extend(feats, pos)
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One round for every row (a no-op once all rows are done)."""
+        if self.done:
+            return
+        engine, drafter, tgt = self.engine, self.drafter, self.engine.target
+        dev, N, B, W, params = tgt.device, len(self.lens), self.B, self.W, self.params
+        if int(self.committed.max()) + B > engine.max_positions:
+            _finish_open_rows(self.stops, self.finished, "length")
+            return
+        pos = self.committed[:, None] + torch.arange(B, device=dev)  # (N, B); B = 1 for AR
+        anchor_t = torch.tensor(self.anchors, device=dev)[:, None]
+        prop = None
+        if drafter is not None:
+            mask = block_attention_mask(self.ctx_valid[:, None], B, drafter.config.is_causal)
+            out = drafter(drafter.block_inputs(anchor_t, B), pos[:, None], self.ctx.kv, mask)
+            prop = propose(drafter, out, params, self.gen, engine.draft_len)
             feed = torch.cat([anchor_t, prop.tokens], 1)
         else:
             feed = anchor_t
         pos = pos[:, :W]
-        logits, feats = tgt.forward(feed, cache, layer_ids, torch.cat([valid, valid.new_ones(N, W)], 1).long(), pos)
-        if drafter is not None:
-            n_acc, nxt = verify(prop, logits, params, gen)
+        fed_valid = torch.cat([self.valid, self.valid.new_ones(N, W)], 1).long()
+        logits, feats = tgt.forward(feed, self.cache, self.layer_ids, fed_valid, pos)
+        if prop is not None:
+            n_acc, nxt = verify(prop, logits, params, self.gen)
         else:
             n_acc = torch.zeros(N, dtype=torch.long, device=dev)
-            nxt = torch.tensor([engine._pick(logits[i, -1], params, gen) for i in range(N)], device=dev)
+            nxt = torch.tensor([engine._pick(logits[i, -1], params, self.gen) for i in range(N)], device=dev)
         kept = torch.arange(W, device=dev)[None] <= n_acc[:, None]  # (N, W): anchor + accepted drafts
-        valid = torch.cat([valid, kept], 1)
+        self.valid = torch.cat([self.valid, kept], 1)
         if drafter is not None:
-            ctx.extend(feats, pos)
-            ctx_valid = torch.cat([ctx_valid, kept], 1)
-        committed = committed + n_acc + 1
+            self.ctx.extend(feats, pos)
+            self.ctx_valid = torch.cat([self.ctx_valid, kept], 1)
+        self.committed = self.committed + n_acc + 1
         for i in range(N):
-            if done[i]:
+            if self.finished[i]:
                 continue
             n = int(n_acc[i])
-            if stats[i] is not None:
-                stats[i].record(n)
-            for tok in (prop.tokens[i, :n].tolist() if drafter is not None else []) + [int(nxt[i])]:
-                if stops[i].push(tok):
-                    done[i] = True
+            if self.stats[i] is not None:
+                self.stats[i].record(n)
+            for tok in (prop.tokens[i, :n].tolist() if prop is not None else []) + [int(nxt[i])]:
+                if self.stops[i].push(tok):
+                    self.finished[i] = True
                     break
-            anchors[i] = int(nxt[i])
-    secs = time.perf_counter() - t0
-    return [
-        GenerationResult(
-            token_ids=s.tokens,
-            text=s.result_text(),
-            finish_reason=s.finish_reason or "length",
-            prompt_tokens=n,
-            method=engine.method,
-            stats=st,
-            seconds=secs,
-            batch_size=N,
-        )
-        for s, n, st in zip(stops, lens, stats)
-    ]
+            self.anchors[i] = int(nxt[i])
+
+    def results(self) -> list[GenerationResult]:
+        secs = time.perf_counter() - self.t0
+        return [
+            GenerationResult(
+                token_ids=s.tokens,
+                text=s.result_text(),
+                finish_reason=s.finish_reason or "length",
+                prompt_tokens=n,
+                method=self.engine.method,
+                stats=st,
+                seconds=secs,
+                batch_size=len(self.lens),
+            )
+            for s, n, st in zip(self.stops, self.lens, self.stats)
+        ]
 
 
 @torch.no_grad()

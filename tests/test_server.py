@@ -319,6 +319,7 @@ def _stream(base, body, out: list):
 
 def test_limits_disconnects_and_sigterm(tmp_path):
     """One AR server with room for two requests: a dropped non-streaming request is aborted and recorded, a
+    short request completes while a long stream decodes (it joins at the next round, not after the long one), a
     third request is refused with 429 + Retry-After while readiness says so, and SIGTERM ends the two open
     streams (finish_reason abort) within the grace period and exits."""
     import signal
@@ -344,8 +345,15 @@ def test_limits_disconnects_and_sigterm(tmp_path):
 
         streams = [[], []]
         threads = [threading.Thread(target=_stream, args=(base, LONG, s), daemon=True) for s in streams]
-        for t in threads:
-            t.start()
+        threads[0].start()
+        while len(streams[0]) < 4 and time.time() < deadline + 30:  # the long stream is decoding
+            time.sleep(0.1)
+        t_short = time.time()
+        status, body, _ = post(base, "/v1/completions", {**LONG, "max_tokens": 4})
+        short_s = time.time() - t_short
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4, body
+        assert threads[0].is_alive() and not any("[DONE]" in x for x in streams[0][1:]), short_s  # long one still on
+        threads[1].start()
         while json.loads(get(base, "/health"))["admitted"] < 2 and time.time() < deadline + 30:
             time.sleep(0.1)
         status, body, headers = post(base, "/v1/completions", {**LONG, "max_tokens": 4})

@@ -8,8 +8,8 @@ Per-request acceptance comes back like SGLang 0.5.23: `sglext.spec_tokens_detail
 `return_spec_tokens_details`, `meta_info` when it sets `return_meta_info` (fields from stats.AcceptanceStats).
 `reasoning_effort` (none/low/medium/high/xhigh) is mapped onto the target (Qwen3: `enable_thinking`; others: a
 system instruction with a reasoning-token budget) and echoed in the record. One decoding thread (`Batcher`)
-decodes the requests waiting for it together (up to --max-batch); a streaming client that disconnects aborts
-its own row at the next token.
+schedules at round boundaries: requests waiting for it decode together (up to --max-batch), and batches take turns, so
+a late short request does not wait for a long one; a client that disconnects aborts its own row at its next round.
 """
 
 import asyncio
@@ -23,7 +23,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from dspine.engine import Engine, generate_batch
+from dspine.engine import BatchDecode, Engine
 from dspine.process import free_port, wait_http
 from dspine.sampling import RequestError, SamplingParams
 from dspine.serve.metrics import AcceptanceMetrics
@@ -110,16 +110,18 @@ class ServerMetrics:
 
 
 class Batcher:
-    """One decoding thread for the engine. Requests waiting when it starts a batch are decoded together
-    (engine.generate_batch) when they draw tokens alike (same temperature / top-k / top-p) and are greedy
-    or unseeded; a seeded sampled request runs alone, so its seed reproduces its output. A static batch:
-    what arrives meanwhile waits for the next one."""
+    """One decoding thread for the engine, scheduling at round boundaries. Requests waiting when it looks are
+    grouped into a batch (engine.BatchDecode: one forward per round for its rows) when they draw tokens alike
+    (same temperature / top-k / top-p) and are greedy or unseeded; a seeded sampled request is a batch of its
+    own, so its seed reproduces its output. Batches run one round each in turn, and a request that arrives
+    while others decode starts its own batch at the next round boundary: a long request never holds a short
+    one back until it ends. A row whose client went away (on_token -> False) stops at its next round."""
 
     def __init__(self, engine: Engine, max_batch: int):
         self.engine, self.max_batch = engine, max(1, max_batch)
         self.jobs: queue.Queue = queue.Queue()
         self.decoding = False
-        self.last_progress = time.monotonic()  # the last token committed or batch started / ended
+        self.last_progress = time.monotonic()  # the last round run, or the loop idle
         self.thread = threading.Thread(target=self._loop, daemon=True, name="dspine-batcher")
         self.thread.start()
 
@@ -127,12 +129,7 @@ class Batcher:
         """Blocks until the request is decoded -> GenerationResult (raises what decoding raised)."""
         self.engine.prompt_ids(ids)  # a bad prompt fails alone, before it joins a batch
         fut: Future = Future()
-
-        def stamped(tok):
-            self.last_progress = time.monotonic()
-            return on_token(tok) if on_token is not None else True
-
-        self.jobs.put((ids, params, stamped, fut))
+        self.jobs.put((ids, params, on_token or (lambda tok: True), fut))
         return fut.result()
 
     @staticmethod
@@ -141,37 +138,61 @@ class Batcher:
             None if params.seed is not None and not params.greedy else (params.temperature, params.top_k, params.top_p)
         )
 
-    def _loop(self):
-        held = None
+    def _groups(self, jobs: list) -> list[list]:
+        """Arrival order kept within each group; at most max_batch rows per group; seeded sampling alone."""
+        groups: list[list] = []
+        open_: dict = {}
+        for job in jobs:
+            key = self._key(job[1])
+            g = open_.get(key) if key is not None else None
+            if g is None or len(g) >= self.max_batch:
+                g = []
+                groups.append(g)
+                if key is not None:
+                    open_[key] = g
+            g.append(job)
+        return groups
+
+    def _take(self, block: bool) -> list:
+        jobs = [self.jobs.get()] if block else []
         while True:
-            first = held or self.jobs.get()
-            held, batch = None, [first]
-            key = self._key(first[1])
-            while key is not None and len(batch) < self.max_batch:
-                try:
-                    job = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if self._key(job[1]) != key:
-                    held = job  # starts the next batch
-                    break
-                batch.append(job)
-            self.decoding, self.last_progress = True, time.monotonic()
             try:
-                if len(batch) == 1:
-                    ids, params, cb, _ = batch[0]
-                    results = [self.engine.generate(ids, params, on_token=cb)]
-                else:
-                    results = generate_batch(
-                        self.engine, [j[0] for j in batch], [j[1] for j in batch], [j[2] for j in batch]
-                    )
-                for job, res in zip(batch, results):
-                    job[3].set_result(res)
-            except Exception as e:
-                for job in batch:
-                    job[3].set_exception(e)
-            finally:
-                self.decoding, self.last_progress = False, time.monotonic()
+                jobs.append(self.jobs.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def _start(self, group: list):
+        try:
+            return BatchDecode(self.engine, [j[0] for j in group], [j[1] for j in group], [j[2] for j in group])
+        except Exception as e:
+            for job in group:
+                job[3].set_exception(e)
+            return None
+
+    def _loop(self):
+        running: list[tuple] = []  # (BatchDecode, its jobs)
+        while True:
+            self.decoding = bool(running)
+            self.last_progress = time.monotonic()
+            for group in self._groups(self._take(block=not running)):
+                run = self._start(group)
+                if run is not None:
+                    running.append((run, group))
+            self.decoding = True
+            for item in list(running):
+                run, group = item
+                try:
+                    run.step()
+                except Exception as e:
+                    for job in group:
+                        job[3].set_exception(e)
+                    running.remove(item)
+                    continue
+                self.last_progress = time.monotonic()
+                if run.done:
+                    for job, res in zip(group, run.results()):
+                        job[3].set_result(res)
+                    running.remove(item)
 
 
 class Service:
