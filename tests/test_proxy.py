@@ -275,6 +275,9 @@ def test_dashboard_renders_the_recorded_data_in_chromium(stack):
     assert set(bars) == set(want) and len(want) >= 4  # the 2 × 2 cells of the first test, and any later ones
     for k, v in want.items():
         assert bars[k] == pytest.approx(v, abs=1e-4)
+    level_colors = {"none": "#bab0ac", "low": "#4e79a7", "medium": "#59a14f", "high": "#f28e2b", "xhigh": "#e15759"}
+    fills = re.findall(r'<rect[^>]*fill="(#[0-9a-f]{6})"[^>]*class="tau-bar"[^>]*data-thinking="([^"]+)"', dom)
+    assert fills and all(level_colors[t] == f for f, t in fills if t in level_colors), fills  # fixed per level
     curves = re.findall(r'<polyline[^>]*class="slot-curve"[^>]*data-per-slot="([^"]+)"', dom)
     assert len(curves) == len(summary["cells"])
     assert sorted(tuple(round(float(x), 4) for x in c.split()) for c in curves) == sorted(
@@ -311,3 +314,29 @@ def test_store_is_append_only_and_safe_under_concurrent_writers(tmp_path):
     s = AcceptanceStore(db).summary()
     assert s["cells"][0]["requests"] == 150
     assert s["cells"][0]["tau_pooled"] == pytest.approx(AcceptanceStats(4, [150, 300, 450, 0]).tau)
+
+
+def test_store_summary_orders_levels_fills_gaps_and_splits_drafters(tmp_path):
+    """Levels in their own order (unknown ones after, by name), one cell per drafter, and a time series of
+    equal buckets from the first request to the last with the idle ones present (0 requests, τ None)."""
+    store = AcceptanceStore(str(tmp_path / "s.db"))
+    for i, (d, t, ts) in enumerate(
+        [
+            ("a", "high", 1000.0),
+            ("a", "low", 1000.0),
+            ("a", "none", 1005.0),
+            ("b", "low", 1400.0),
+            ("a", "zeta", 1400.0),
+        ]
+    ):
+        store.append(RequestRecord(request_id=f"r{i}", model="m", drafter=d, workload="w", thinking=t, stream=False,
+                                   accept_hist=[1, 1], ts=ts))  # fmt: skip
+    s = store.summary(bucket_s=60)
+    assert [(c["drafter"], c["thinking"]) for c in s["cells"]] == [
+        ("a", "none"), ("a", "low"), ("a", "high"), ("a", "zeta"), ("b", "low")
+    ]  # fmt: skip
+    assert [x["t"] for x in s["series"]] == [960 + 60 * i for i in range(8)]
+    assert [x["requests"] for x in s["series"]] == [3, 0, 0, 0, 0, 0, 0, 2]
+    assert [x["tau_mean"] is None for x in s["series"]] == [False] + [True] * 6 + [False]
+    wide = store.summary(bucket_s=60, max_points=4)
+    assert wide["bucket_s"] == 120 and [x["requests"] for x in wide["series"]] == [3, 0, 0, 2]

@@ -9,6 +9,7 @@ computed from each row's `accept_hist` through stats.AcceptanceStats (acceptance
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import time
 from pathlib import Path
@@ -146,42 +147,60 @@ class AcceptanceStore:
             r["accept_hist"] = json.loads(r["accept_hist"]) if r["accept_hist"] else None
         return out
 
-    def summary(self, since: float = 0.0, bucket_s: float = 60.0) -> dict:
-        """What the dashboard draws: τ and per-slot acceptance by workload × thinking level, τ and
-        requests/s over time."""
+    def summary(self, since: float = 0.0, bucket_s: float = 60.0, max_points: int = 720) -> dict:
+        """What the dashboard draws: τ and per-slot acceptance by drafter × workload × thinking level (levels in
+        their own order, none < low < medium < high < xhigh, then any other), τ and requests/s over time in
+        equal buckets from the first request to the last, empty ones included (τ None, 0 requests/s); the
+        bucket widens (a multiple of `bucket_s`) when more than `max_points` would be needed."""
         rows = self.rows(since)
         cells = []
-        by_cell = group_by(((r["workload"], r["thinking"]), _stats(r)) for r in rows)
+        key = lambda r: (r["drafter"] or "", r["workload"], r["thinking"])
+        by_cell = group_by((key(r), _stats(r)) for r in rows)
         latency: dict = {}
         for r in rows:
             if r["latency_s"] is not None:
-                latency.setdefault((r["workload"], r["thinking"]), []).append(r["latency_s"])
-        for (w, t), g in sorted(by_cell.items()):
+                latency.setdefault(key(r), []).append(r["latency_s"])
+        for k, g in sorted(by_cell.items(), key=lambda kv: (kv[0][0], kv[0][1], level_rank(kv[0][2]))):
+            d, w, t = k
             cells.append(
                 {
+                    "drafter": d or None,
                     "workload": w,
                     "thinking": t,
                     "requests": g["items"],
                     "tau_mean": _measured(g, "tau_mean"),
                     "tau_pooled": _measured(g, "tau_pooled"),
                     "per_slot": g["per_slot"],
-                    "latency_p50_s": quantile(latency.get((w, t), []), 0.5),
+                    "latency_p50_s": quantile(latency.get(k, []), 0.5),
                 }
             )
         series = []
         if rows:
             t0 = rows[0]["ts"] - rows[0]["ts"] % bucket_s
+            span = max(r["ts"] for r in rows) - t0
+            bucket_s *= max(1, math.ceil(span / bucket_s / max_points))
             by_time = group_by((t0 + (r["ts"] - t0) // bucket_s * bucket_s, _stats(r)) for r in rows)
-            for start, g in sorted(by_time.items()):
+            for i in range(int(span // bucket_s) + 1):
+                start = t0 + i * bucket_s
+                g = by_time.get(start)
                 series.append(
                     {
                         "t": start,
-                        "requests": g["items"],
-                        "requests_per_s": g["items"] / bucket_s,
-                        "tau_mean": _measured(g, "tau_mean"),
+                        "requests": g["items"] if g else 0,
+                        "requests_per_s": g["items"] / bucket_s if g else 0.0,
+                        "tau_mean": _measured(g, "tau_mean") if g else None,
                     }
                 )
-        return {"requests": len(rows), "cells": cells, "series": series, "bucket_s": bucket_s, "generated": time.time()}
+        return {"requests": len(rows), "cells": cells, "series": series, "bucket_s": bucket_s, "levels": list(LEVELS),
+                "generated": time.time()}  # fmt: skip
+
+
+LEVELS = ("none", "low", "medium", "high", "xhigh")  # thinking levels, in order
+
+
+def level_rank(level: str) -> tuple:
+    """Sort key: the known levels in order, then any other by name."""
+    return (LEVELS.index(level), "") if level in LEVELS else (len(LEVELS), level)
 
 
 def _measured(group: dict, key: str) -> float | None:
