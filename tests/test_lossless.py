@@ -9,6 +9,12 @@ from dspine.engine import Engine
 from dspine.sampling import SamplingParams
 
 
+def _trained(target, pairs, method):
+    """A 2-layer, block-8 drafter of `method` briefly trained on the tiny target's later pairs."""
+    d = DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4)
+    return brief_train(d, target, pairs[4:], steps=40)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_tiny_targets_greedy_equals_ar(tiny, method):
     target, pairs = tiny
@@ -16,12 +22,7 @@ def test_tiny_targets_greedy_equals_ar(tiny, method):
     fresh = perturb_writes(
         DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=3)
     )
-    trained = brief_train(
-        DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4),
-        target,
-        pairs[4:],
-        steps=40,
-    )
+    trained = _trained(target, pairs, method)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     taus = []
     for drafter in (fresh, trained):
@@ -96,12 +97,7 @@ def test_batched_greedy_equals_single_request_ar(tiny, method):
     ar = Engine(target)
     drafter = None
     if method != "ar":
-        drafter = brief_train(
-            DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4),
-            target,
-            pairs[4:],
-            steps=40,
-        )
+        drafter = _trained(target, pairs, method)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [ids[: start - k] for k, (ids, start) in enumerate(pairs[:4])]  # lengths 6, 5, 4, 3
     got = generate_batch(Engine(target, drafter), prompts, params)
@@ -127,12 +123,7 @@ def test_forced_continuation_replays_the_same_rounds(tiny, method):
     free run may accept drafts past max_tokens (cut off) and the given text has nothing to match them with —;
     on another text it commits that text, drafts accepted only where they match it."""
     target, pairs = tiny
-    drafter = brief_train(
-        DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4),
-        target,
-        pairs[4:],
-        steps=40,
-    )
+    drafter = _trained(target, pairs, method)
     spec, params = Engine(target, drafter), SamplingParams(max_tokens=40, ignore_eos=True)
     for ids, start in pairs[:3]:
         free = spec.generate(ids[:start], params)
@@ -159,12 +150,7 @@ def test_shorter_draft_len_stays_lossless(tiny, method):
 
     target, pairs = tiny
     ar = Engine(target)
-    drafter = brief_train(
-        DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4),
-        target,
-        pairs[4:],
-        steps=40,
-    )
+    drafter = _trained(target, pairs, method)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [ids[:start] for ids, start in pairs[:3]]
     for D in (1, 3):
