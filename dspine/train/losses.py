@@ -130,6 +130,7 @@ def drafter_losses(
             cand = logits[:, :, 1:].topk(min(cfg.top_k, logits.shape[-1]), dim=-1).indices  # (Bs, nb, B-2, K)
             walk = cand.gather(-1, redo_logits.gather(-1, cand).argmax(-1, keepdim=True))[..., 0]
             res["tau_sim_full_vocab"] = _tau_sim(torch.cat([pred[:, :, :1], redo_logits.argmax(-1)], 2), y, valid)[0]
+            res["tau_sim_unconditioned"] = _tau_sim(pred, y, valid)[0]  # each slot's own argmax, no walk
             pred = torch.cat([pred[:, :, :1], walk], dim=2)
     tau, acc = _tau_sim(pred, y, valid)
     res.update(loss=total, tau_sim=tau, slot_acc=acc)
