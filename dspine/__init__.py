@@ -1,9 +1,10 @@
 """dspine: DSpine speculative-decoding drafters — train, adapt to agent workloads, serve losslessly.
 
-One import name. The product's top-level folders `kernels/`, `workloads/`, `agents/` and `adapt/` are this
-package's subpackages `dspine.kernels`, `dspine.workloads`, `dspine.agents` and `dspine.adapt`: an install maps
-them (pyproject `package-dir`); a source checkout run without installing (`PYTHONPATH=.`, as on the GPU machine)
-maps them here, through a finder that only answers for those four names and only when the folder is there.
+One import name. The product's top-level folders `kernels/`, `workloads/`, `drafters/`, `agents/` and `adapt/` are
+this package's subpackages `dspine.kernels`, `dspine.workloads`, `dspine.drafters`, `dspine.agents` and
+`dspine.adapt`: an install maps them (pyproject `package-dir`); a source checkout run without installing
+(`PYTHONPATH=.`, as on the GPU machine) maps them here, through a finder that only answers for those names and
+only when the folder is there.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SIBLINGS = ("kernels", "workloads", "agents", "adapt")
+SIBLINGS = ("kernels", "workloads", "drafters", "agents", "adapt")
 
 
 class _SourceTreeFinder(importlib.abc.MetaPathFinder):
