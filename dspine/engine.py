@@ -294,9 +294,10 @@ class BatchDecode:
     """A batch of requests decoded round by round: `step()` runs one round for every row, so a scheduler can
     interleave several batches (the server lets a new batch start while a long one is still decoding).
 
-    Rows advance by different amounts, so nothing is cropped: each row's target KV cache and drafter context
-    keep every position they were fed, and a validity mask (N, positions) hides what a row did not commit
-    (prompt padding, rejected drafts); positions are passed explicitly (committed tokens so far). A row that
+    Rows advance by different amounts: each row's target KV cache and drafter context keep the positions fed
+    up to the longest acceptance of the round (the rest is cropped), and a validity mask (N, positions) hides
+    what a row did not commit (prompt padding, rejected drafts); positions are passed explicitly (committed
+    tokens so far). A batch of one row thus keeps only what it committed, as Engine.generate does. A row that
     has finished keeps riding along until all have; its tokens are not recorded. `params` is one
     SamplingParams or one per row: rows may differ in max_tokens, stop and ignore_eos, not in how tokens are
     drawn (temperature, top-k, top-p; one generator, seeded from the first row). `on_tokens[i]` sees row i's
@@ -366,10 +367,13 @@ class BatchDecode:
         else:
             n_acc = torch.zeros(N, dtype=torch.long, device=dev)
             nxt = torch.tensor([engine._pick(logits[i, -1], params, self.gen) for i in range(N)], device=dev)
-        kept = torch.arange(W, device=dev)[None] <= n_acc[:, None]  # (N, W): anchor + accepted drafts
+        # keep the anchor + accepted drafts (masked per row); columns no row accepted are cropped away
+        m = int(n_acc.max()) + 1
+        kept = torch.arange(m, device=dev)[None] <= n_acc[:, None]  # (N, m)
+        tgt.crop_cache(self.cache, self.valid.shape[1] + m)
         self.valid = torch.cat([self.valid, kept], 1)
         if drafter is not None:
-            self.ctx.extend(feats, pos)
+            self.ctx.extend(feats[:, :m], pos[:, :m])
             self.ctx_valid = torch.cat([self.ctx_valid, kept], 1)
         self.committed = self.committed + n_acc + 1
         for i in range(N):
