@@ -204,6 +204,20 @@ def load_drafter(
     return model.to(device=device, dtype=dtype or stored).eval()
 
 
+def needs_target(path: str | Path) -> bool:
+    """Whether loading a checkpoint needs its target (it left out DERIVED buffers its config has); an unreadable
+    checkpoint answers False, and loading it names the problem."""
+    from safetensors import safe_open
+
+    if not read_config(path).uses_injection:
+        return False
+    try:
+        with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+            return not set(DERIVED) <= set(f.keys())
+    except (SafetensorError, OSError):
+        return False
+
+
 def _derived(path: Path, cfg: DSpineConfig, absent: set[str], target) -> dict[str, torch.Tensor]:
     """The DERIVED buffers a checkpoint left out, rebuilt from the target."""
     absent = absent & set(DERIVED)

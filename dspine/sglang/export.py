@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dspine.checkpoint import CheckpointError, load_at, save_drafter
+from dspine.checkpoint import CheckpointError, load_at, needs_target, save_drafter
 from dspine.drafter import DSpineConfig, Injection
 
 ARCHS = {"dflash": "DFlashDraftModel", "post_backbone": "DSpineDraftModel", "dspine": "DSpineDraftModel"}
@@ -106,7 +106,7 @@ def export_sglang(
     """`top_k`: the transition-cache width the server walks, when not the checkpoint's (decode-time only).
     `target` (a target spec): needed for a checkpoint shipped without its code table, recomputed from it."""
     tgt = None
-    if target is not None and not _has_all_weights(ckpt):
+    if target is not None and needs_target(ckpt):
         from dspine.target import load_target
 
         tgt = load_target(target)
@@ -130,18 +130,3 @@ def export_sglang(
 
         shutil.rmtree(out, ignore_errors=True)  # never leave an export SGLang would load wrongly
         raise
-
-
-def _has_all_weights(ckpt: str | Path) -> bool:
-    """Whether a checkpoint holds its derivable buffers too (else loading it needs the target)."""
-    from safetensors import SafetensorError, safe_open
-
-    from dspine.checkpoint import DERIVED, read_config
-
-    if not read_config(ckpt).uses_injection:
-        return True
-    try:
-        with safe_open(str(Path(ckpt) / "model.safetensors"), "pt") as f:
-            return set(DERIVED) <= set(f.keys())
-    except (SafetensorError, OSError):  # unreadable: load_at names the problem
-        return True
