@@ -58,6 +58,7 @@ def graphed(fn):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=576, help="drafter width d (default: SmolLM2-135M's 576)")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--top-k", default="8", help="transition-cache widths K, comma-separated (default: 8)")
     ap.add_argument("--batches", default="1,4,16,32")
@@ -69,7 +70,7 @@ def main() -> int:
         "replay: the setting of SGLang's draft step at concurrency 1)",
     )
     a = ap.parse_args()
-    d, r, s, V = 576, 256, 256, 49152  # SmolLM2-135M's width and vocabulary, the default transfer rank
+    d, r, s, V = a.hidden, 256, 256, 49152  # the built-in vocabulary, the default transfer rank
     rows = []
     torch.manual_seed(0)
     for dt in a.dtypes.split(","):
@@ -103,7 +104,7 @@ def main() -> int:
                 "head_topk": lambda: torch.matmul(slots, head.t()).topk(K, dim=-1).indices,
                 "head_topk_fused": lambda: fused_top_candidates(slots.view(-1, d), head, K),
             }
-            row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers}
+            row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers, "hidden": d}
             with torch.no_grad():
                 for name, fn in variants.items():
                     row[f"{name}_launch_ms"] = timed(fn)

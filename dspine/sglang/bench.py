@@ -153,8 +153,10 @@ class SGLangServer:
         self.startup_s = time.time() - self.t0
         return self
 
-    def generate(self, ids: list[int], max_new_tokens: int, temperature: float) -> dict:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
+    def generate(self, ids: list[int], max_new_tokens: int, temperature: float, ignore_eos: bool = False) -> dict:
+        """ignore_eos: decode exactly max_new_tokens (random-weight targets for timing)."""
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
+        body = {"input_ids": ids, "sampling_params": sampling}
         req = urllib.request.Request(
             self.base + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
@@ -179,10 +181,17 @@ class SGLangServer:
         self.log.close()
 
 
-def _run_set(server: SGLangServer, prompts: list[list[int]], conc: int, max_new_tokens: int, temperature: float):
+def _run_set(
+    server: SGLangServer,
+    prompts: list[list[int]],
+    conc: int,
+    max_new_tokens: int,
+    temperature: float,
+    ignore_eos: bool = False,
+):
     t0 = time.perf_counter()
     with ThreadPoolExecutor(conc) as ex:
-        docs = list(ex.map(lambda p: server.generate(p, max_new_tokens, temperature), prompts))
+        docs = list(ex.map(lambda p: server.generate(p, max_new_tokens, temperature, ignore_eos), prompts))
     return docs, time.perf_counter() - t0
 
 

@@ -1,0 +1,142 @@
+"""The pure parts of the SGLang-at-scale bench (dspine/sglang/scale.py) on the CPU: the shape folders SGLang
+serves with random weights, the projection arithmetic and the summary section. The measurement itself runs on
+the H200 (bench/sglang_scale.py)."""
+
+import json
+import math
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from dspine.checkpoint import config_from_json
+from dspine.config import ConfigError
+from dspine.sglang.export import sglang_weight_shapes
+from dspine.sglang.scale import (
+    PAPER_TAU,
+    ScaleConfig,
+    analyse,
+    fit_round,
+    project,
+    scale_markdown,
+    scale_section,
+    shape_config,
+    write_shape,
+)
+from dspine.target import DEFAULT_TARGET, resolve_target_path
+
+
+def test_shape_folders_hold_the_8b_shape_with_the_builtin_tokenizer(tmp_path):
+    paths = write_shape(tmp_path, "qwen3-8b", resolve_target_path(DEFAULT_TARGET))
+    cfg = AutoConfig.from_pretrained(paths["target"])
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == ("qwen3", 4096, 36, 12288)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (32, 8, 128, 49152)
+    tok = AutoTokenizer.from_pretrained(paths["target"])
+    assert len(tok) <= cfg.vocab_size and cfg.eos_token_id == tok.convert_tokens_to_ids(tok.eos_token)
+    for method, arch in (("dflash", "DFlashDraftModel"), ("dspine", "DSpineDraftModel")):
+        raw = json.loads((tmp_path / "qwen3-8b" / method / "config.json").read_text())
+        assert raw["architectures"] == [arch] and raw["torch_dtype"] == "bfloat16"
+        d = config_from_json({**raw, "architectures": ["DSpineDraftModel"]})  # SGLang's name, dspine's fields
+        assert (d.method, d.hidden_size, d.num_hidden_layers, d.num_target_layers, d.block_size) == (
+            method,
+            4096,
+            5,
+            36,
+            16,
+        )
+        assert all(0 <= i < 36 for i in d.target_layer_ids) and len(d.target_layer_ids) == 5
+        shapes = sglang_weight_shapes(d)
+        n = sum(math.prod(s) for s in shapes.values())
+        # 5 layers of the 8B shape + fc: about 1 B parameters (2 GB in bf16), DSpine adds the injections
+        assert 0.9e9 < n < 1.2e9
+        assert any(k.startswith("injections.4.") for k in shapes) == (method == "dspine")
+    four = write_shape(tmp_path, "qwen3-4b", resolve_target_path(DEFAULT_TARGET))
+    assert AutoConfig.from_pretrained(four["target"]).hidden_size == 2560
+
+
+def test_shape_from_a_config_file_and_bad_shapes(tmp_path):
+    good = tmp_path / "mine.json"
+    good.write_text(
+        json.dumps(
+            {
+                "hidden_size": 1024,
+                "intermediate_size": 3072,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
+    name, cfg = shape_config(str(good))
+    assert name == "mine" and cfg["hidden_size"] == 1024 and cfg["vocab_size"] == 49152
+    with pytest.raises(ConfigError, match="neither one of"):
+        shape_config("qwen3-800b")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"hidden_size": 1024}))
+    with pytest.raises(ConfigError, match="missing \\['intermediate_size'"):
+        shape_config(str(bad))
+    bad.write_text(json.dumps({**json.loads(good.read_text()), "vocab_size": 151936}))
+    with pytest.raises(ConfigError, match="vocab_size 151936"):
+        shape_config(str(bad))
+    with pytest.raises(ConfigError, match="must include 1"):
+        ScaleConfig(concurrencies=[4, 16]).validate()
+    with pytest.raises(ConfigError, match="outside"):
+        ScaleConfig(taus=[0.5]).validate()
+
+
+def test_projection_arithmetic():
+    # rounds grow linearly with τ: 10 + 0.5 τ ms (dspine), 9.5 + 0.5 τ (dflash)
+    assert fit_round({2.0: 11.0, 4.0: 12.0}) == pytest.approx((10.0, 0.5))
+    assert fit_round({3.0: 7.0}) == (7.0, 0.0)
+    rounds = {"dspine": {2.0: 11.0, 3.0: 11.5, 4.8: 12.4}, "dflash": {2.0: 10.5, 3.0: 11.0, 4.8: 11.9}}
+    p = project(rounds, 8.0, {"paper": PAPER_TAU, "same": {"dspine": 3.0, "dflash": 3.0}})
+    r = 10 + 0.5 * 4.82
+    assert p["paper"]["dspine"]["vs_ar"] == pytest.approx(4.82 * 8 / r)
+    assert p["paper"]["dflash"]["vs_ar"] == pytest.approx(3.77 * 8 / (9.5 + 0.5 * 3.77))
+    assert p["same"]["dspine_vs_dflash"] == pytest.approx(11.0 / 11.5)
+
+
+def _row(tps, tau=None, round_ms=None, gpu=None, step=None):
+    row = {"tokens_per_s": tps, "requests": 8, "tokens": 2048, "seconds": 2048 / tps}
+    if tau is not None:
+        row.update(
+            tau_pooled=tau, gpu_round_ms=gpu, phase_ms_per_round={"draft": 1.0, "verify": gpu - 1.5, "glue": 0.5}
+        )
+    if round_ms is not None:
+        row["round_ms"] = round_ms
+    if step is not None:
+        row["ar_step_ms"] = step
+    return row
+
+
+def test_analysis_and_summary_section():
+    var = {"ar": {"method": "ar", "forced_tau": None, "by_concurrency": {"1": _row(125, step=8.0), "4": _row(480)}}}
+    for m, extra in (("dflash", 0.0), ("dspine", 0.2)):
+        for t in (2.0, 3.0, 4.8):
+            rnd = 10 + 0.5 * t + extra
+            var[f"{m}@{t:g}"] = {
+                "method": m,
+                "forced_tau": t,
+                "by_concurrency": {
+                    "1": _row(1000 * t / rnd, t, rnd, rnd - 0.3),
+                    "4": _row(4000 * t / (rnd + 2), t, None, rnd + 2),
+                },
+            }
+    var["dspine@9"] = {"method": "dspine", "forced_tau": 9.0, "error": "RuntimeError: SGLang did not start"}
+    doc = {"settings": {"concurrencies": [1, 4], "flags": ["--load-format", "dummy"]}, "variants": var}
+    kernels = {"injection_ms": 0.1, "injection_variant": "split", "transition_ms": 0.2}
+    doc.update(analyse(doc, {"dspine": 2.0, "dflash": 1.77}, kernels))
+    r3 = doc["dspine_over_dflash"]["3"]
+    assert r3["1"]["gpu_round"] == pytest.approx((11.7 - 0.3) / (11.5 - 0.3))
+    assert r3["4"]["throughput"] == pytest.approx((11.5 + 2) / (11.7 + 2))
+    assert doc["table"]["dspine@3"]["1"]["round_over_ar_step"] == pytest.approx(11.7 / 8)
+    assert doc["projection"]["measured"]["dspine"]["tau"] == 2.0
+    sec = scale_section({"shapes": {"qwen3-8b": doc}})
+    assert sec["shape"] == "qwen3-8b" and sec["injection_ms"] == 0.1 and sec["transition_ms"] == 0.2
+    assert sec["round_over_ar_step_c1"]["dspine"] == pytest.approx(11.7 / 8)
+    assert sec["dspine_vs_ar_c1_tau4_8"] == pytest.approx(1000 * 4.8 / (12.6 * 125))
+    assert sec["dspine_round_over_dflash"]["4.8"]["4"] == pytest.approx(14.6 / 14.4)
+    assert sec["errors"] == {"dspine@9": "RuntimeError: SGLang did not start"}
+    md = scale_markdown({"shapes": {"qwen3-8b": doc}})
+    assert "dspine@4.8" in md and "dspine@9 failed" in md and "Projection" in md
