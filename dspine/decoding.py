@@ -135,7 +135,7 @@ def greedy_transition_walk(
     """cand (N, B-1, K) candidates of slots 1..B-1, best first; h_pre (N, B, d), f (N, B, r) -> greedy drafts
     (N, B-1): slot 1 its argmax, slots >= 2 through the transition cache (the fused kernels on CUDA). The
     engine's and the SGLang plugin's greedy proposal."""
-    fast = kernels.enabled(h_pre)
+    fast = kernels.fused_width_ok(h_pre)
     S = scores_table(inj, norm, head, codes, h_pre, f, cand, fast)
     if fast:
         from dspine.kernels.transition import fused_walk_greedy

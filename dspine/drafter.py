@@ -377,7 +377,7 @@ class DSpineDraftModel(nn.Module):
             if str(i) in self.injections:
                 if i == last:
                     h_pre = h
-                if kernels.enabled(h):
+                if kernels.fused_width_ok(h):
                     from dspine.kernels.injection import fused_injection
 
                     h, feats[i] = fused_injection(self.injections[str(i)], h, anchor_code)

@@ -2,7 +2,9 @@
 
 Triton is imported lazily, inside the kernel builders, so CPU installs without it work. `enabled(x)` says
 whether a tensor's computation should take the fused path: on CUDA, without autograd (the kernels have no
-backward), unless DSPINE_KERNELS=0.
+backward), unless DSPINE_KERNELS=0. `fused_width_ok(x)` adds the width rule of the injection and transition
+kernels: they win at narrow widths and lose to cuBLAS-backed torch at wide ones (bench/kernels.py --hidden;
+bench/results/README.md), so above DSPINE_FUSED_MAX_WIDTH (default 1024) the eager path runs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ def enabled(x) -> bool:
     import torch
 
     return x.is_cuda and not torch.is_grad_enabled() and os.environ.get("DSPINE_KERNELS", "1") != "0" and available()
+
+
+def fused_width_ok(x) -> bool:
+    """enabled(x), and x's last dimension (the model width) at most DSPINE_FUSED_MAX_WIDTH."""
+    return enabled(x) and x.shape[-1] <= int(os.environ.get("DSPINE_FUSED_MAX_WIDTH", "1024"))
 
 
 def setting(env: str, allowed: tuple[str, ...], default: str, value: str | None = None) -> str:

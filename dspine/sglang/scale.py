@@ -103,6 +103,7 @@ def drafter_config(target: dict, method: str, layers: int = 5, block: int = 16, 
         num_target_layers=target["num_hidden_layers"],
         num_hidden_layers=layers,
         rope_theta=target["rope_theta"],
+        max_position_embeddings=target["max_position_embeddings"],  # SGLang refuses a draft shorter than its target
         block_size=block,
         method=method,
         top_k=top_k,
@@ -307,7 +308,7 @@ def run_scale(cfg: ScaleConfig) -> dict:
         doc = {"settings": settings, "variants": {}}
     variants = [(m, None) for m in cfg.methods if m == "ar"]
     variants += [(m, t) for m in cfg.methods if m != "ar" for t in cfg.taus]
-    todo = [v for v in variants if variant_name(*v) not in doc["variants"]]
+    todo = [v for v in variants if "by_concurrency" not in doc["variants"].get(variant_name(*v), {})]
     bar = tqdm(total=len(todo), desc=f"sglang {paths['name']}", disable=not cfg.progress)
 
     def launch(method, tau):

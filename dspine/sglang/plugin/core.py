@@ -88,7 +88,7 @@ def inject_flat(inj: Injection, h: torch.Tensor, anchor_code: torch.Tensor, bloc
     """h (bs*B, d) full residual stream after a layer, anchor_code (bs, r) -> (h updated, f (bs*B, r))."""
     bs = h.shape[0] // block_size
     hb = h.view(bs, 1, block_size, -1)
-    if kernels.enabled(h):
+    if kernels.fused_width_ok(h):
         from dspine.kernels.injection import fused_injection
 
         out, f = fused_injection(inj, hb, anchor_code[:, None])
@@ -197,7 +197,7 @@ class DSpineSelector:
             st["h_pre"].view(bs, Bm1 + 1, -1),
             st["f"].view(bs, Bm1 + 1, -1),
             candidate_ids,
-            kernels.enabled(hidden_states),
+            kernels.fused_width_ok(hidden_states),
         )
         first = unary_logits[:, :1, None, :].float().expand(bs, 1, K, K)
         return torch.cat([first, S.float()], dim=1)
