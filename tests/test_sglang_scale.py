@@ -140,3 +140,27 @@ def test_analysis_and_summary_section():
     assert sec["errors"] == {"dspine@9": "RuntimeError: SGLang did not start"}
     md = scale_markdown({"shapes": {"qwen3-8b": doc}})
     assert "dspine@4.8" in md and "dspine@9 failed" in md and "Projection" in md
+
+
+def test_flags_are_replaced_not_doubled_and_kernel_figures_follow_the_width_rule(tmp_path):
+    from dspine.sglang.scale import SCALE_FLAGS, _kernels, _with
+
+    flags = _with(["--max-total-tokens", "131072", "--sleep-on-idle"], SCALE_FLAGS)
+    assert flags.count("--max-total-tokens") == 1 and flags[1] == "32768"
+    assert flags[-2:] == ["--load-format", "dummy"]
+    row = {
+        "dtype": "bfloat16",
+        "batch": 1,
+        "eager_graph_ms": 0.15,
+        "rows_graph_ms": 3.3,
+        "split_graph_ms": 0.18,
+        "transition_eager_graph_ms": 0.15,
+        "transition_fused_graph_ms": 0.6,
+        "head_topk_fused_graph_ms": 0.14,
+        "head_argmax_graph_ms": 0.12,
+    }
+    for hidden, inj, trans in ((4096, "eager", 0.15), (576, "split", 0.6)):
+        path = tmp_path / f"k{hidden}.json"
+        path.write_text(json.dumps({"rows": [{**row, "hidden": hidden}]}))
+        k = _kernels(str(path))
+        assert (k["injection_variant"], k["transition_ms"]) == (inj, trans)

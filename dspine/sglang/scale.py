@@ -260,6 +260,17 @@ class ScaleConfig:
             raise ConfigError(f"forced τ {bad} outside [1, block {self.block}]")
 
 
+def _with(flags: list[str], extra: tuple[str, ...]) -> list[str]:
+    """`flags` with each option of `extra` (pairs: option, value) set to extra's value (replaced, not doubled)."""
+    out = list(flags)
+    for opt, val in zip(extra[::2], extra[1::2]):
+        if opt in out:
+            out[out.index(opt) + 1] = val
+        else:
+            out += [opt, val]
+    return out
+
+
 def _prompts(cfg: ScaleConfig, tokenizer) -> list[list[int]]:
     from dspine.target import chat_template_ids
     from dspine.workloads import load_benchmark
@@ -291,7 +302,7 @@ def run_scale(cfg: ScaleConfig) -> dict:
         tok_dir = str(resolve_target_path(DEFAULT_TARGET))
     paths = write_shape(work / "shapes", cfg.shape, tok_dir, cfg.layers, cfg.block, cfg.top_k)
     prompts = _prompts(cfg, AutoTokenizer.from_pretrained(paths["target"]))
-    flags = [*(DEFAULT_FLAGS if cfg.flags is None else cfg.flags), *SCALE_FLAGS]
+    flags = _with(list(DEFAULT_FLAGS if cfg.flags is None else cfg.flags), SCALE_FLAGS)
     out = Path(cfg.out) if cfg.out else work / "sglang_scale.json"
     whole = json.loads(out.read_text()) if out.is_file() else {"shapes": {}}
     settings = {
@@ -354,18 +365,24 @@ def run_scale(cfg: ScaleConfig) -> dict:
 
 
 def _kernels(path: str | None) -> dict | None:
-    """bench/kernels.py's JSON -> per-round injection and transition ms at batch 1, bf16, graph replay."""
+    """bench/kernels.py's JSON -> per-round injection and transition ms at batch 1, bf16, graph replay, for
+    the path the plugin takes at that width (kernels.fused_width_ok: fused up to DSPINE_FUSED_MAX_WIDTH)."""
+    import os
+
     if not path:
         return None
     rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["dtype"] == "bfloat16" and r["batch"] == 1]
     if not rows:
         return None
     r = rows[0]
-    best = min(("rows", "split"), key=lambda v: r[f"{v}_graph_ms"])
+    fused = r.get("hidden", 576) <= int(os.environ.get("DSPINE_FUSED_MAX_WIDTH", "1024"))
+    best = min(("rows", "split"), key=lambda v: r[f"{v}_graph_ms"]) if fused else "eager"
     return {
         "injection_ms": r[f"{best}_graph_ms"],
         "injection_variant": best,
-        "transition_ms": r["transition_fused_graph_ms"],
+        "transition_ms": r["transition_fused_graph_ms" if fused else "transition_eager_graph_ms"],
+        "transition_variant": "fused" if fused else "eager",
+        "fused_instead": {"injection_split": r["split_graph_ms"], "transition": r["transition_fused_graph_ms"]},
         "candidates_over_argmax_ms": r["head_topk_fused_graph_ms"] - r["head_argmax_graph_ms"],
         "hidden": r.get("hidden"),
     }
@@ -398,12 +415,30 @@ def analyse(doc: dict, measured_tau: dict[str, float], kernels: dict | None) -> 
                 r["round_over_ar_step"] = row["round_ms"] / ar_step
             table.setdefault(n, {})[c] = r
     res["table"] = table
-    ratio: dict = {}
+    methods = sorted({n.split("@")[0] for n in table})  # dflash, dspine, and labelled variants (dspine-fused)
+    res["over_dflash"] = {m: _over(table, m, taus) for m in methods if m != "dflash"}
+    res["dspine_over_dflash"] = res["over_dflash"].get("dspine", {})
+    rounds = {
+        m: {t: table[variant_name(m, t)]["1"]["round_ms"] for t in taus if variant_name(m, t) in table} for m in methods
+    }
+    rounds = {m: p for m, p in rounds.items() if p}
+    res["ar_step_ms_c1"] = ar_step
+    res["round_ms_c1"] = {m: {f"{t:g}": ms for t, ms in p.items()} for m, p in rounds.items()}
+    labels = {"paper": PAPER_TAU, **({"measured": measured_tau} if measured_tau else {})}
+    # a labelled variant is projected at its method's τ (dspine-fused at DSpine's)
+    labels = {k: {m: v[m.split("-")[0]] for m in rounds if m.split("-")[0] in v} for k, v in labels.items()}
+    res["projection"] = project(rounds, ar_step, labels) if rounds else {}
+    return res
+
+
+def _over(table: dict, method: str, taus: list[float]) -> dict:
+    """{τ: {c: {gpu_round, throughput}}}: `method` over DFlash at the same forced τ and concurrency."""
+    out: dict = {}
     for t in taus:
-        a, b = table.get(variant_name("dspine", t)), table.get(variant_name("dflash", t))
+        a, b = table.get(variant_name(method, t)), table.get(variant_name("dflash", t))
         if not (a and b):
             continue
-        ratio[f"{t:g}"] = {
+        out[f"{t:g}"] = {
             c: {
                 "gpu_round": a[c]["gpu_round_ms"] / b[c]["gpu_round_ms"]
                 if a[c]["gpu_round_ms"] and b[c]["gpu_round_ms"]
@@ -413,17 +448,7 @@ def analyse(doc: dict, measured_tau: dict[str, float], kernels: dict | None) -> 
             for c in a
             if c in b
         }
-    res["dspine_over_dflash"] = ratio
-    rounds = {
-        m: {t: table[variant_name(m, t)]["1"]["round_ms"] for t in taus if variant_name(m, t) in table}
-        for m in ("dspine", "dflash")
-    }
-    rounds = {m: p for m, p in rounds.items() if p}
-    res["ar_step_ms_c1"] = ar_step
-    res["round_ms_c1"] = {m: {f"{t:g}": ms for t, ms in p.items()} for m, p in rounds.items()}
-    labels = {"paper": PAPER_TAU, **({"measured": measured_tau} if measured_tau else {})}
-    res["projection"] = project(rounds, ar_step, labels) if rounds else {}
-    return res
+    return out
 
 
 def scale_section(whole: dict) -> dict:
@@ -442,7 +467,9 @@ def scale_section(whole: dict) -> dict:
             "round_over_ar_step_c1": {m: at(f"{m}@3", "1", "round_over_ar_step") for m in ("dspine", "dflash")},
             "injection_ms": k.get("injection_ms"),
             "transition_ms": k.get("transition_ms"),
-            "dspine_vs_ar_c1_tau4_8": at("dspine@4.8", "1", "vs_ar"),
+            "dspine_vs_ar_c1_tau4_8": at("dspine@4.8", "1", "vs_ar") or at("dspine-fused@4.8", "1", "vs_ar"),
+            "dspine_vs_ar_c1_tau4_8_variant": "dspine@4.8" if at("dspine@4.8", "1", "vs_ar") else "dspine-fused@4.8",
+            "over_dflash_by_variant": doc.get("over_dflash"),
             "dflash_vs_ar_c1_tau4_8": at("dflash@4.8", "1", "vs_ar"),
             "projection": doc.get("projection"),
             "dspine_vs_dflash_projected": {
@@ -483,50 +510,42 @@ def scale_markdown(whole: dict) -> str:
             )
         header = ["variant", *(f"× AR c={c}" for c in conc), "round ms c=1", "round / AR step", "draft/verify/glue ms"]
         parts.append(md_table(header, rows))
-        ratio = doc.get("dspine_over_dflash", {})
-        if ratio:
-            parts.append("\nDSpine / DFlash at the same forced τ (GPU round time; throughput):\n")
-            parts.append(
-                md_table(
-                    ["τ", *(f"c={c}" for c in conc)],
-                    [
-                        [
-                            t,
-                            *(
-                                f"{by[str(c)]['gpu_round'] or math.nan:.3f}; {by[str(c)]['throughput']:.3f}"
-                                for c in conc
-                                if str(c) in by
-                            ),
-                        ]
-                        for t, by in ratio.items()
-                    ],
-                )
-            )
+        over = doc.get("over_dflash") or {}
+        if over:
+            parts.append("\nOver DFlash at the same forced τ (GPU round time ratio; throughput ratio):\n")
+            rows = [
+                [
+                    m,
+                    t,
+                    *(
+                        f"{by[c]['gpu_round'] or math.nan:.3f}; {by[c]['throughput']:.3f}"
+                        for c in map(str, conc)
+                        if c in by
+                    ),
+                ]
+                for m, per in over.items()
+                for t, by in per.items()
+            ]
+            parts.append(md_table(["variant", "τ", *(f"c={c}" for c in conc)], rows))
         proj = doc.get("projection") or {}
         if proj:
-            parts.append("\nProjection (c=1): τ tokens per round(τ), round fitted over the forced τ:\n")
-            parts.append(
-                md_table(
-                    ["τ from", "DSpine τ", "DSpine × AR", "DFlash τ", "DFlash × AR", "DSpine / DFlash"],
-                    [
-                        [
-                            lab,
-                            f"{p.get('dspine', {}).get('tau', math.nan):.2f}",
-                            f"{p.get('dspine', {}).get('vs_ar', math.nan):.2f}",
-                            f"{p.get('dflash', {}).get('tau', math.nan):.2f}",
-                            f"{p.get('dflash', {}).get('vs_ar', math.nan):.2f}",
-                            f"{p.get('dspine_vs_dflash', math.nan):.3f}",
-                        ]
-                        for lab, p in proj.items()
-                    ],
-                )
-            )
+            parts.append("\nProjection (c=1): τ tokens per round(τ), the round fitted over the forced τ:\n")
+            rows = []
+            for lab, p in proj.items():
+                base = p.get("dflash", {}).get("vs_ar")
+                for m, r in p.items():
+                    if isinstance(r, dict):
+                        rel = r["vs_ar"] / base if base else math.nan
+                        rows.append(
+                            [lab, m, f"{r['tau']:.2f}", f"{r['round_ms']:.2f}", f"{r['vs_ar']:.2f}", f"{rel:.3f}"]
+                        )
+            parts.append(md_table(["τ from", "variant", "τ", "round ms", "× AR", "/ DFlash"], rows))
         k = doc.get("kernels_at_shape")
         if k:
             parts.append(
                 f"\nKernels at this width (bf16, c=1, graph replay): injection over all layers "
                 f"{k['injection_ms']:.3f} ms ({k['injection_variant']}), transition cache + walk "
-                f"{k['transition_ms']:.3f} ms.\n"
+                f"{k['transition_ms']:.3f} ms ({k.get('transition_variant', 'fused')}).\n"
             )
         errs = {n: v["error"] for n, v in doc.get("variants", {}).items() if "error" in v}
         for n, e in errs.items():
