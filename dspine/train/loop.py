@@ -165,14 +165,14 @@ def _tuplify(x):
 def _load_state(ckpt: Path, drafter, opt, rng: random.Random):
     from safetensors.torch import load_file
 
-    from dspine.checkpoint import CheckpointError, load_drafter
+    from dspine.checkpoint import CheckpointError, read_config
 
     if not (ckpt / "trainer_state.json").is_file():
         raise CheckpointError(f"{ckpt}: no trainer state to resume from (trainer_state.json)")
-    saved = load_drafter(ckpt)
-    if saved.config != drafter.config:
+    if read_config(ckpt) != drafter.config:
         raise CheckpointError(f"{ckpt}: the saved drafter's config differs from this run's")
-    drafter.load_state_dict(saved.state_dict())
+    # the module's own state, whatever its names (a LoRA-injected drafter included); strict
+    drafter.load_state_dict(load_file(str(ckpt / "model.safetensors")))
     meta = json.loads((ckpt / "trainer_state.json").read_text())
     tensors = load_file(str(ckpt / "trainer_state.safetensors"))
     dev = next(drafter.parameters()).device

@@ -1,0 +1,337 @@
+"""Fine-tuning a base drafter on agent traces (`adapt/finetune.py`), under Ray Train.
+
+Design choices:
+- **Samples from token ids, never from text**: each trace row is one model call; its prompt ids then its
+  completion ids are one sequence whose loss covers exactly the completion (the tokens the target generated,
+  `traces.loss_mask`). A row longer than `max_len` keeps its end: the completion and the context nearest it.
+- **Split by episode**: a seeded share of each group's episodes is held out (never a turn of a training
+  episode), for the held-out τ_sim that picks the best checkpoint and for `adapt/evaluate.py`.
+- **Groups**: one drafter for all traces, per workload, or per workload × thinking level (`per`).
+- **Warm start, never resume**: the base's weights only (its config and target checked by `load_drafter`),
+  a fresh optimizer at a low learning rate; `mode=lora` injects peft LoRA into `target_modules` (by name) and
+  trains the modules LoRA would freeze that a DFlash-style drafter needs (`modules_to_save`: fc, norms,
+  injections) in full — left frozen, the drafter silently stops learning. The result is merged into a plain
+  checkpoint (LoRA folded into the weights) that serves and exports like any other.
+- **Optionally mixed** with general regenerated data (`mix`, `mix_fraction`) to hold the base's skills.
+- **Ray Train**: `TorchTrainer` with `workers` processes (gloo on CPU, NCCL on GPU; Ray builds the process
+  group); each runs dspine's lockstep trainer on its share of every global batch with averaged gradients, so N
+  workers end where one process ends. Every `report_every_s` the trainer pauses and rank 0 reports its state
+  (weights, optimizer, RNG, data position) as a Ray checkpoint; a restarted worker group resumes from the last
+  one (`ray.train.get_checkpoint`). `workers=0` runs the same loop in this process, without Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspine.config import ConfigError
+from dspine.train.loop import TrainConfig
+
+LEVELS = ("none", "low", "medium", "high", "xhigh")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# what LoRA would leave frozen and a DFlash-style drafter must train: the context projection, norms, injections
+HEADS = ["fc", "hidden_norm", "norm", "readout", "gate_f", "gate_p", "message", "write"]
+
+
+class FinetuneError(ValueError):
+    """A fine-tune that cannot start (bad traces, bad settings)."""
+
+
+@dataclass
+class FinetuneConfig:
+    traces: str = ""  # a collection directory (adapt/collect.py or `dspine traces export`)
+    out: str = ""
+    base: str = "builtin"  # a drafter folder, or "builtin" for the built-in target's shipped drafter
+    target: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    device: str = "cpu"
+    mode: str = "full"  # full | lora
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    modules_to_save: list[str] = field(default_factory=lambda: list(HEADS))
+    per: str = "all"  # all | workload | workload_level
+    workloads: list[str] = field(default_factory=list)  # empty: every workload in the traces
+    levels: list[str] = field(default_factory=list)
+    heldout_fraction: float = 0.2
+    max_len: int = 2048
+    mix: str = ""  # a regenerated-data folder (dspine regen) mixed in
+    mix_fraction: float = 0.0  # share of the training samples drawn from `mix`
+    workers: int = 1  # Ray Train workers; 0: in this process, without Ray
+    report_every_s: float = 0.0  # > 0: a Ray checkpoint every so many seconds of training
+    max_failures: int = 1  # Ray Train restarts of the worker group, each from the last reported checkpoint
+    seed: int = 0
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=200, lr=1e-4, warmup_steps=10, eval_every=50))
+
+    def validate(self) -> None:
+        if not self.traces or not self.out:
+            raise ConfigError("traces and out are required")
+        if self.mode not in ("full", "lora"):
+            raise ConfigError(f"mode {self.mode!r}: full or lora")
+        if self.per not in ("all", "workload", "workload_level"):
+            raise ConfigError(f"per {self.per!r}: all, workload or workload_level")
+        if not 0 <= self.heldout_fraction < 1 or not 0 <= self.mix_fraction < 1:
+            raise ConfigError("heldout_fraction and mix_fraction must be in [0, 1)")
+        if self.mix_fraction and not self.mix:
+            raise ConfigError("mix_fraction > 0 needs mix (a regenerated-data folder)")
+        if self.workers < 0 or self.lora_rank < 1 or self.max_len < 8:
+            raise ConfigError("workers >= 0, lora_rank >= 1 and max_len >= 8")
+        if set(self.levels) - set(LEVELS):
+            raise ConfigError(f"levels {sorted(set(self.levels) - set(LEVELS))}: one of {LEVELS}")
+        self.train.validate()
+
+
+# --- data ------------------------------------------------------------------------------------------------
+
+
+def row_sample(row: dict, max_len: int) -> tuple[list[int], int] | None:
+    """One trace row -> (ids, index of the first generated token): the loss covers ids[start:], exactly the
+    completion; None for a row without token ids or without a completion."""
+    from dspine.agents.traces import loss_mask
+
+    if not row.get("has_token_ids") or not row["completion_token_ids"]:
+        return None
+    ids, mask = loss_mask(row)
+    start = mask.index(1)
+    if len(ids) > max_len:  # keep the end: the completion and the context nearest it
+        cut = len(ids) - max_len
+        ids, start = ids[cut:], max(1, start - cut)
+    return ids, start
+
+
+def group_of(row: dict, per: str) -> str:
+    return {"all": "all", "workload": row["workload"], "workload_level": f"{row['workload']}-{row['thinking']}"}[per]
+
+
+def split_episodes(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows): a seeded share of the episodes (at least one when there are two or more)
+    goes to the held-out side whole."""
+    eps = sorted({r["episode_id"] for r in rows})
+    random.Random(seed).shuffle(eps)
+    n = min(len(eps) - 1, max(1, round(fraction * len(eps)))) if fraction > 0 and len(eps) > 1 else 0
+    held = set(eps[:n])
+    return [r for r in rows if r["episode_id"] not in held], [r for r in rows if r["episode_id"] in held]
+
+
+def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
+    """{group: {"train": samples, "heldout": samples, "heldout_episodes": [...], "rows": n}} from the traces."""
+    from dspine.agents.traces import Store, load_traces
+
+    if not Store(cfg.traces).exists("traces"):
+        raise FinetuneError(f"{cfg.traces}: no traces/ folder (not a collection directory)")
+    rows = load_traces(cfg.traces).to_pylist()
+    rows = [r for r in rows if (not cfg.workloads or r["workload"] in cfg.workloads)]
+    rows = [r for r in rows if (not cfg.levels or r["thinking"] in cfg.levels)]
+    usable = [r for r in rows if row_sample(r, cfg.max_len) is not None]
+    if not usable:
+        raise FinetuneError(f"{cfg.traces}: no trace rows with token ids and a completion (of {len(rows)} selected)")
+    groups: dict[str, list[dict]] = {}
+    for r in usable:
+        groups.setdefault(group_of(r, cfg.per), []).append(r)
+    out = {}
+    for g, grows in sorted(groups.items()):
+        train, held = split_episodes(grows, cfg.heldout_fraction, cfg.seed)
+        out[g] = {
+            "train": [row_sample(r, cfg.max_len) for r in train],
+            "heldout": [row_sample(r, cfg.max_len) for r in held],
+            "heldout_episodes": sorted({r["episode_id"] for r in held}),
+            "rows": len(grows),
+        }
+    return out
+
+
+def mix_in(samples: list, cfg: FinetuneConfig) -> list:
+    """`samples` plus general regenerated ones, so that they make `mix_fraction` of the result."""
+    if not cfg.mix_fraction:
+        return samples
+    from dspine.train.data import load_samples
+
+    general = [
+        (ids[-cfg.max_len :], max(1, start - max(0, len(ids) - cfg.max_len))) for ids, start in load_samples(cfg.mix)
+    ]
+    want = round(len(samples) * cfg.mix_fraction / (1 - cfg.mix_fraction))
+    rng = random.Random(cfg.seed)
+    return samples + [general[i] for i in rng.sample(range(len(general)), min(want, len(general)))]
+
+
+# --- the drafter -----------------------------------------------------------------------------------------
+
+
+def prepare_drafter(cfg: FinetuneConfig, target):
+    """The base drafter, warm-started (weights only), checked against the target; LoRA-injected in lora mode."""
+    import torch
+
+    from dspine.checkpoint import load_drafter, resolve_drafter
+
+    d = load_drafter(resolve_drafter(cfg.base, cfg.target), target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    return add_lora(d, cfg) if cfg.mode == "lora" else d
+
+
+def add_lora(drafter, cfg: FinetuneConfig):
+    """peft LoRA in `target_modules`; everything else frozen except `modules_to_save` (trained in full)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in drafter.named_modules()}
+    unknown = sorted(set(cfg.target_modules + cfg.modules_to_save) - names)
+    if unknown:
+        raise ConfigError(f"no module of the drafter is named {unknown}")
+    lc = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.target_modules, lora_dropout=0.0)
+    drafter = inject_adapter_in_model(lc, drafter)
+    for n, p in drafter.named_parameters():
+        leaf = [part for part in n.split(".") if not part.isdigit()]
+        p.requires_grad = "lora_" in n or any(m in leaf for m in cfg.modules_to_save)
+    return drafter
+
+
+def merge_lora(drafter):
+    """Fold every LoRA layer into its base weight and put the plain layer back (in place) -> the drafter."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, m in list(drafter.named_modules()):
+        if isinstance(m, LoraLayer):
+            m.merge()
+            parent, _, leaf = name.rpartition(".")
+            setattr(drafter.get_submodule(parent) if parent else drafter, leaf, m.get_base_layer())
+    for p in drafter.parameters():
+        p.requires_grad = True
+    return drafter
+
+
+# --- training --------------------------------------------------------------------------------------------
+
+
+def train_group(cfg: FinetuneConfig, group: str, data: dict, workdir: Path, resume_from: Path | None, report=None):
+    """Train one group's drafter in this process (one of the data-parallel workers, or alone) -> rank 0's
+    history. Pauses every `report_every_s` to `report(workdir)` (weights, optimizer, data position in
+    workdir/last); `resume_from`: a reported folder to continue from."""
+    import torch
+
+    from dspine.checkpoint import save_drafter
+    from dspine.target import load_target
+    from dspine.train.loop import Trainer
+
+    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    drafter = prepare_drafter(cfg, target)
+    train = mix_in(data["train"], cfg)
+    tcfg = dataclasses.replace(cfg.train, seed=cfg.seed, stop_after_s=cfg.report_every_s)
+    extra = {"adapted_from": cfg.base, "group": group, "mode": cfg.mode, "traces": cfg.traces}
+    if resume_from is not None and resume_from != workdir:
+        shutil.copytree(resume_from, workdir, dirs_exist_ok=True)
+    tr = Trainer({group: drafter}, target, train, tcfg, data["heldout"] or None, {group: workdir}, extra)
+    if resume_from is not None:
+        tr.resume()
+    while True:  # segments of report_every_s: the trainer pauses (saving workdir/last), reports, continues
+        hist = tr.run(progress=False)[group]
+        step, elapsed = hist[-1]["step"], hist[-1]["elapsed_s"]
+        done = step >= tcfg.steps or bool(tcfg.time_budget_s and elapsed >= tcfg.time_budget_s)
+        if report is not None:
+            report(workdir, hist, done)
+        if done:
+            break
+        tr.start, tr.spent = step, elapsed
+    if tr.rank == 0:
+        best = workdir / "best" / "model.safetensors"
+        if best.is_file():  # the best held-out τ_sim, else the last step
+            from safetensors.torch import load_file
+
+            drafter.load_state_dict(load_file(str(best)))
+        plain = merge_lora(drafter) if cfg.mode == "lora" else drafter
+        last = {**hist[-1], "processes": tr.world}
+        save_drafter(plain, workdir / "final", extra={**extra, "history": last}, derived=False)
+    return hist
+
+
+def _ray_worker(conf: dict) -> None:
+    """Ray Train's train_loop_per_worker: one data-parallel process of one group's fine-tune."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    from dspine.config import from_dict
+
+    cfg = from_dict(FinetuneConfig, conf["cfg"])
+    rank = ray.train.get_context().get_world_rank()
+    work = Path(tempfile.mkdtemp(prefix=f"dspine-ft-{rank}-"))
+    ckpt = ray.train.get_checkpoint()
+    resume = None
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            resume = work
+            shutil.copytree(d, work, dirs_exist_ok=True)
+
+    def report(folder: Path, hist: list[dict], done: bool) -> None:
+        m = {"step": hist[-1]["step"], "loss": hist[-1]["loss"], "done": done}
+        m["eval_tau_sim"] = next((h["eval_tau_sim"] for h in reversed(hist) if "eval_tau_sim" in h), None)
+        ray.train.report(m, checkpoint=Checkpoint.from_directory(str(folder)) if rank == 0 and not done else None)
+
+    train_group(cfg, conf["group"], conf["data"], work, resume, report)
+    if rank == 0:  # the merged drafter, as the run's last checkpoint
+        ray.train.report({"final": True}, checkpoint=Checkpoint.from_directory(str(work)))
+    else:
+        ray.train.report({"final": True})
+
+
+def finetune(cfg: FinetuneConfig, progress: bool = True) -> dict:
+    """Every group's fine-tune -> {"groups": {group: {"drafter": out/<group>, "heldout_episodes", ...}}};
+    writes out/finetune.json (the configuration, groups, where each drafter is)."""
+    from dspine.config import to_dict
+    from dspine.io import atomic_write_text
+
+    cfg.validate()
+    groups = load_groups(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"config": to_dict(cfg), "groups": {}}
+    for g, data in groups.items():
+        if not data["train"]:
+            raise FinetuneError(f"group {g}: every episode is held out (only {data['rows']} rows)")
+        if cfg.workers == 0:
+            work = Path(tempfile.mkdtemp(prefix="dspine-ft-"))
+            train_group(cfg, g, data, work, None)
+            final = work / "final"
+            hist = [json.loads((final / "config.json").read_text())["dspine_training"]["history"]]
+        else:
+            final, hist = _fit_with_ray(cfg, g, data, out)
+        dest = out / g
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(final, dest)
+        summary["groups"][g] = {
+            "drafter": str(dest),
+            "train_samples": len(data["train"]),
+            "heldout_samples": len(data["heldout"]),
+            "heldout_episodes": data["heldout_episodes"],
+            "last": hist[-1] if hist else None,
+        }
+    atomic_write_text(out / "finetune.json", json.dumps(summary, indent=1))
+    return summary
+
+
+def _fit_with_ray(cfg: FinetuneConfig, group: str, data: dict, out: Path) -> tuple[Path, list]:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from dspine.config import to_dict
+
+    trainer = TorchTrainer(
+        _ray_worker,
+        train_loop_config={"cfg": to_dict(cfg), "group": group, "data": data},
+        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.device.startswith("cuda")),
+        run_config=RunConfig(
+            name=f"finetune-{group}",
+            storage_path=str((out / "ray").resolve()),
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+        ),
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise FinetuneError(f"group {group}: Ray Train failed: {result.error}")
+    with result.checkpoint.as_directory() as d:
+        keep = Path(tempfile.mkdtemp(prefix="dspine-ft-final-"))
+        shutil.copytree(Path(d) / "final", keep / "final")
+        hist = json.loads((Path(d) / "final" / "config.json").read_text())["dspine_training"]["history"]
+    return keep / "final", [hist]

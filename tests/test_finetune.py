@@ -1,0 +1,137 @@
+"""adapt/finetuning.py: samples from trace token ids (loss exactly on the generated tokens), the episode split,
+LoRA with and without the heads it would freeze, and a real Ray Train run (2 CPU workers) that ends where one
+process ends. Tiny random Llama target and drafter, traces written in the collection format."""
+
+import dataclasses
+import json
+import os
+import random
+import time
+
+import pytest
+import torch
+from conftest import tiny_target
+from safetensors.torch import load_file
+
+from dspine.adapt.finetuning import (
+    FinetuneConfig,
+    add_lora,
+    finetune,
+    merge_lora,
+    row_sample,
+    split_episodes,
+)
+from dspine.agents.base import TraceRow
+from dspine.agents.traces import Store
+from dspine.checkpoint import load_drafter, save_drafter
+from dspine.drafter import DSpineDraftModel
+from dspine.train.loop import TrainConfig
+from dspine.train.losses import make_batch
+
+P, C = 10, 12  # prompt and completion lengths: equal lengths make every sequence weigh the same in the loss
+
+
+def _row(ep: str, turn: int, rng: random.Random, workload="tool", level="low", prompt=P, completion=C) -> TraceRow:
+    return TraceRow(
+        episode_id=ep, task_id="t", workload=workload, thinking=level, turn=turn, request_id=f"{ep}-{turn}",
+        messages="[]", tools="[]", prompt_token_ids=[rng.randrange(1, 128) for _ in range(prompt)],
+        completion_token_ids=[rng.randrange(1, 128) for _ in range(completion)], has_token_ids=True,
+        completion_text="", tool_calls="[]", finish_reason="stop", prompt_tokens=prompt, completion_tokens=completion,
+        accept_hist=[], tau=None, sampling="{}", target="tiny", drafter=None, chat_template_sha256=None,
+        latency_s=0.0, ts=time.time(),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft")
+    target = tiny_target("llama", dtype=torch.float64)
+    target.model.save_pretrained(root / "target")
+    base = DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=4, seed=0).double()
+    save_drafter(base, root / "base")
+    rng = random.Random(0)
+    st = Store(str(root / "traces"))
+    for e in range(4):
+        st.write_rows([_row(f"ep{e}", t, rng) for t in range(2)], "traces", "tool", f"ep{e}.parquet")
+    st.clean_tmp()
+    return root
+
+
+def _cfg(root, **kw) -> FinetuneConfig:
+    train = TrainConfig(steps=3, batch_size=4, anchors_per_seq=C, max_len=64, lr=3e-3, warmup_steps=1, gamma=3.5,
+                        eval_every=100)  # fmt: skip
+    return FinetuneConfig(traces=str(root / "traces"), out=str(root / kw.pop("name")), base=str(root / "base"),
+                          target=str(root / "target"), dtype="float64", heldout_fraction=0.0, train=train,
+                          **kw)  # fmt: skip
+
+
+def test_samples_mask_exactly_the_generated_tokens_and_episodes_split_whole():
+    rng = random.Random(1)
+    row = dataclasses.asdict(_row("e", 0, rng, prompt=30, completion=9))
+    ids, start = row_sample(row, max_len=512)
+    assert ids == row["prompt_token_ids"] + row["completion_token_ids"] and start == 30
+    batch = make_batch([(ids, start)], anchors_per_seq=4, block_size=4, max_len=512, rng=random.Random(0))
+    assert batch.label_mask[0].tolist() == [False] * 30 + [True] * 9
+    # too long: the end is kept — the whole completion and the context nearest it
+    ids, start = row_sample(row, max_len=16)
+    assert len(ids) == 16 and ids[start:] == row["completion_token_ids"] and ids[:start] == row["prompt_token_ids"][-7:]
+    assert row_sample({**row, "has_token_ids": False}, 512) is None
+    assert row_sample({**row, "completion_token_ids": []}, 512) is None
+    rows = [dataclasses.asdict(_row(f"ep{e}", t, rng)) for e in range(10) for t in range(3)]
+    train, held = split_episodes(rows, 0.2, seed=0)
+    assert len({r["episode_id"] for r in held}) == 2 and len(train) + len(held) == 30
+    assert not {r["episode_id"] for r in held} & {r["episode_id"] for r in train}
+    assert split_episodes(rows, 0.2, seed=0) == (train, held)  # seeded
+
+
+def test_lora_trains_the_heads_only_when_asked_and_merges_exactly(setup):
+    base = load_file(str(setup / "base" / "model.safetensors"))
+    heads = ("fc.weight", "hidden_norm.weight", "injections.1.write.weight")
+    for name, save in (("lora_frozen", []), ("lora_heads", None)):
+        kw = {"modules_to_save": save} if save is not None else {}
+        res = finetune(_cfg(setup, name=name, mode="lora", workers=0, lora_rank=4, **kw), progress=False)
+        got = load_file(str(setup / name / "all" / "model.safetensors"))
+        assert set(got) == set(base) - {"transfer_codes"}  # merged: a plain checkpoint, no LoRA names
+        q = "layers.0.self_attn.q_proj.weight"
+        assert not torch.equal(got[q], base[q])  # the merged LoRA update
+        changed = [h for h in heads if not torch.equal(got[h], base[h])]
+        assert changed == ([] if save == [] else list(heads)), (name, changed)
+        assert res["groups"]["all"]["train_samples"] == 8
+    # merge: a LoRA layer's output equals its merged plain layer's
+    d = load_drafter(setup / "base")
+    d = add_lora(d, _cfg(setup, name="x", mode="lora", lora_rank=4))
+    lin = d.layers[0].self_attn.q_proj
+    for p in (lin.lora_A["default"].weight, lin.lora_B["default"].weight):
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(3, lin.in_features, dtype=torch.float64)
+    with torch.no_grad():
+        want = lin(x)
+        merge_lora(d)
+        assert type(d.layers[0].self_attn.q_proj) is torch.nn.Linear
+        assert torch.allclose(d.layers[0].self_attn.q_proj(x), want, atol=1e-10)
+    with pytest.raises(ValueError, match="no module of the drafter is named"):
+        add_lora(load_drafter(setup / "base"), _cfg(setup, name="x", mode="lora", target_modules=["qkv"]))
+
+
+def test_ray_train_two_workers_end_where_one_process_ends(setup):
+    import ray
+
+    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    one = finetune(_cfg(setup, name="one", workers=0), progress=False)
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        # a pause after every step: each reports a Ray checkpoint, and the run continues exactly
+        two = finetune(_cfg(setup, name="two", workers=2, report_every_s=1e-6), progress=False)
+    finally:
+        ray.shutdown()
+    a, b = (load_file(str(setup / n / "all" / "model.safetensors")) for n in ("one", "two"))
+    base = load_file(str(setup / "base" / "model.safetensors"))
+    assert set(a) == set(b)
+    assert all(torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4) for k in a)
+    assert not torch.equal(a["injections.1.write.weight"], base["injections.1.write.weight"])  # it trained
+    assert one["groups"]["all"]["train_samples"] == two["groups"]["all"]["train_samples"] == 8
+    assert json.loads((setup / "two" / "finetune.json").read_text())["config"]["workers"] == 2
+    assert (one["groups"]["all"]["last"]["processes"], two["groups"]["all"]["last"]["processes"]) == (1, 2)
+    assert two["groups"]["all"]["last"]["step"] == 3
+    ckpts = [p for p in (setup / "two" / "ray" / "finetune-all").iterdir() if p.name.startswith("checkpoint")]
+    assert len(ckpts) >= 3, ckpts  # two pauses and the final merged drafter, through ray.train.report
