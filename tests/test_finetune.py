@@ -135,3 +135,51 @@ def test_ray_train_two_workers_end_where_one_process_ends(setup):
     assert two["groups"]["all"]["last"]["step"] == 3
     ckpts = [p for p in (setup / "two" / "ray" / "finetune-all").iterdir() if p.name.startswith("checkpoint")]
     assert len(ckpts) >= 3, ckpts  # two pauses and the final merged drafter, through ray.train.report
+
+
+def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
+    """A drafter fine-tuned on episodes whose content the held-out episodes repeat is accepted over a random
+    base; the same pair swapped (the random one as the 'adapted') is refused."""
+    from dspine.adapt.evaluation import EvalConfig, evaluate_adaptation
+    from dspine.engine import Engine
+    from dspine.sampling import SamplingParams
+    from dspine.target import load_target
+
+    rng = random.Random(3)
+    contents = [_row("c", 0, rng) for _ in range(3)]
+    st = Store(str(tmp_path / "traces"))
+    for e in range(6):
+        c = contents[e % 3]
+        st.write_rows(
+            [dataclasses.replace(c, episode_id=f"ep{e}", request_id=f"r{e}")], "traces", "tool", f"ep{e}.parquet"
+        )
+    st.clean_tmp()
+    cfg = dataclasses.replace(_cfg(setup, name="x"), traces=str(tmp_path / "traces"), out=str(tmp_path / "ft"),
+                              workers=0, heldout_fraction=0.34)  # fmt: skip
+    cfg.train = dataclasses.replace(cfg.train, steps=40, batch_size=2)
+    ft = finetune(cfg, progress=False)
+    assert len(ft["groups"]["all"]["heldout_episodes"]) == 2 and ft["groups"]["all"]["train_samples"] == 4
+    doc = evaluate_adaptation(EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "adapt.json"), limit=0),
+                              progress=False)  # fmt: skip
+    cell = doc["per_cell"]["tool/low"]
+    assert cell["rows"] == 2 and cell["ratio"] == pytest.approx(cell["adapted"] / cell["base"])
+    assert cell["ratio"] > 1.2 and doc["gate"]["all"] == {"accept": True, "reasons": []}
+    # the replay is the engine's on the exact recorded tokens
+    target = load_target(cfg.target, dtype=torch.float64)
+    held = [c for e, c in enumerate(contents * 2) if f"ep{e}" in ft["groups"]["all"]["heldout_episodes"]]
+    eng = Engine(target, load_drafter(ft["groups"]["all"]["drafter"], target))
+    direct = [eng.generate(r.prompt_token_ids, SamplingParams(), forced=r.completion_token_ids).stats for r in held]
+    merged = direct[0].merge(direct[1])
+    assert cell["adapted"] == pytest.approx(merged.tau) and cell["rounds"]["adapted"] == merged.rounds
+    assert (tmp_path / "adapt.md").read_text().count("tool/low") == 1
+    # swapped: the random drafter as the candidate is refused, with its figure
+    swapped = json.loads((tmp_path / "ft" / "finetune.json").read_text())
+    swapped["config"]["base"], swapped["groups"]["all"]["drafter"] = (
+        swapped["groups"]["all"]["drafter"],
+        str(setup / "base"),
+    )
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "sw" / "finetune.json").write_text(json.dumps(swapped))
+    bad = evaluate_adaptation(EvalConfig(finetune=str(tmp_path / "sw"), limit=0), progress=False)
+    assert bad["per_cell"]["tool/low"]["ratio"] == pytest.approx(1 / cell["ratio"])
+    assert not bad["gate"]["all"]["accept"] and "tool/low: τ ratio" in bad["gate"]["all"]["reasons"][0]

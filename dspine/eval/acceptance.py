@@ -186,7 +186,8 @@ def replay(
 
 def _replay_one(engines: dict, name: str, prompt_ids: list[int], forced: list[int]) -> dict:
     st = engines[name].generate(prompt_ids, SamplingParams(temperature=0.0), forced=forced).stats
-    return {"tau": st.tau, "rounds": st.rounds, "accepted": st.accepted}
+    return {"tau": st.tau, "rounds": st.rounds, "accepted": st.accepted, "accept_hist": st.accept_hist,
+            "block_size": st.block_size}  # fmt: skip
 
 
 def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None):
