@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from dspine.methods import METHODS
@@ -156,6 +157,12 @@ def _add_serve(sub) -> None:
         type=float,
         default=30.0,
         help="on SIGTERM, in-flight requests may finish this long before they are aborted (default: %(default)s)",
+    )
+    s.add_argument(
+        "--admin-key",
+        default=os.environ.get("DSPINE_ADMIN_KEY"),
+        help="bearer key of POST /v1/dspine/drafter, which swaps the served drafter without dropping requests "
+        "(adapt/deploy.py); unset: swaps disabled (default: $DSPINE_ADMIN_KEY)",
     )
 
 
@@ -570,9 +577,9 @@ def cmd_serve(a) -> int:
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device) if a.drafter else None
     cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch, max_queue=a.max_queue,
-                      grace_s=a.grace_seconds)  # fmt: skip
+                      grace_s=a.grace_seconds, admin_key=a.admin_key)  # fmt: skip
     name = "/".join(Path(a.drafter).resolve().parts[-2:]) if a.drafter else None  # no absolute path shown
-    serve(_engine(target, drafter, a.draft_len), a.host, a.port, cfg, drafter_name=name)
+    serve(_engine(target, drafter, a.draft_len), a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter)
     return 0
 
 

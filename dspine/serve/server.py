@@ -57,6 +57,7 @@ class ServeConfig:
     max_queue: int = 64  # requests admitted at once (decoding + waiting); more get 429 with Retry-After
     grace_s: float = 30.0  # on SIGTERM: in-flight requests may finish this long, then are aborted
     stall_s: float = 300.0  # /health reports the decode loop dead when a batch makes no progress this long
+    admin_key: str | None = None  # bearer key of POST /v1/dspine/drafter (the drafter swap); None: swap disabled
 
 
 def apply_reasoning_effort(model_type: str, messages: list[dict], effort: str) -> tuple[list[dict], dict]:
@@ -115,10 +116,12 @@ class Batcher:
     (same temperature / top-k / top-p) and are greedy or unseeded; a seeded sampled request is a batch of its
     own, so its seed reproduces its output. Batches run one round each in turn, and a request that arrives
     while others decode starts its own batch at the next round boundary: a long request never holds a short
-    one back until it ends. A row whose client went away (on_token -> False) stops at its next round."""
+    one back until it ends. A row whose client went away (on_token -> False) stops at its next round.
+    `use` swaps the engine (another drafter): batches already running finish on the engine they started with;
+    each result names the drafter that decoded it (`result.drafter`)."""
 
-    def __init__(self, engine: Engine, max_batch: int):
-        self.engine, self.max_batch = engine, max(1, max_batch)
+    def __init__(self, engine: Engine, max_batch: int, label: str | None = None):
+        self.engine, self.max_batch, self.label = engine, max(1, max_batch), label
         self.jobs: queue.Queue = queue.Queue()
         self.decoding = False
         self.last_progress = time.monotonic()  # the last round run, or the loop idle
@@ -131,6 +134,9 @@ class Batcher:
         fut: Future = Future()
         self.jobs.put((ids, params, on_token or (lambda tok: True), fut))
         return fut.result()
+
+    def use(self, engine: Engine, label: str | None) -> None:
+        self.engine, self.label = engine, label  # read together by the loop at the next batch start
 
     @staticmethod
     def _key(params):
@@ -162,8 +168,11 @@ class Batcher:
                 return jobs
 
     def _start(self, group: list):
+        engine, label = self.engine, self.label
         try:
-            return BatchDecode(self.engine, [j[0] for j in group], [j[1] for j in group], [j[2] for j in group])
+            run = BatchDecode(engine, [j[0] for j in group], [j[1] for j in group], [j[2] for j in group])
+            run.label = label
+            return run
         except Exception as e:
             for job in group:
                 job[3].set_exception(e)
@@ -191,6 +200,7 @@ class Batcher:
                 self.last_progress = time.monotonic()
                 if run.done:
                     for job, res in zip(group, run.results()):
+                        res.drafter = run.label
                         job[3].set_result(res)
                     running.remove(item)
 
@@ -201,7 +211,9 @@ class Service:
     def __init__(self, engine: Engine, cfg: ServeConfig | None = None, drafter_name: str | None = None):
         self.engine, self.cfg = engine, cfg or ServeConfig()
         self.drafter_name = drafter_name or (engine.method if engine.drafter is not None else None)
-        self.batcher = Batcher(engine, self.cfg.max_batch)
+        self.drafter_path: str | None = None  # the folder served (what a rollback swaps back to)
+        self.swaps: list[dict] = []
+        self.batcher = Batcher(engine, self.cfg.max_batch, self.drafter_name)
         self.records: OrderedDict[str, RequestRecord] = OrderedDict()
         self.metrics = ServerMetrics()
         self.admitted = 0
@@ -318,6 +330,28 @@ class Service:
         timer.daemon = True
         timer.start()
 
+    def swap_drafter(self, path: str, name: str | None = None) -> dict:
+        """Serve another drafter ("none": AR): loaded and checked against the target first (a wrong or broken
+        checkpoint raises CheckpointError and the current one keeps serving); batches already decoding
+        finish on the old drafter, new ones start on the new -> {"previous", "current"}."""
+        from pathlib import Path
+
+        from dspine.checkpoint import load_drafter
+
+        tgt = self.engine.target
+        drafter = None if path == "none" else load_drafter(path, tgt, dtype=tgt.dtype, device=tgt.device)
+        keep = self.engine.draft_len if drafter is not None and self.engine.drafter is not None else None
+        B = drafter.config.block_size if drafter is not None else 1
+        engine = Engine(tgt, drafter, keep if keep is not None and keep <= B - 1 else None)
+        label = None if drafter is None else (name or "/".join(Path(path).resolve().parts[-2:]))
+        with self.lock:
+            previous = {"drafter": self.drafter_name, "path": self.drafter_path, "method": self.engine.method}
+            self.engine, self.drafter_name, self.drafter_path = engine, label, None if drafter is None else path
+            self.batcher.use(engine, label)
+            current = {"drafter": label, "path": self.drafter_path, "method": engine.method}
+            self.swaps.append({"ts": time.time(), "previous": previous, "current": current})
+        return {"previous": previous, "current": current}
+
     # ---- generation ------------------------------------------------------------------------------------
     def run(self, req: Parsed, on_token=None, gone: threading.Event | None = None) -> RequestRecord:
         """Decode one request -> its record. It aborts at its next token once `gone` is set (the client left)
@@ -339,7 +373,7 @@ class Service:
         rec = RequestRecord(
             request_id=req.id,
             model=self.cfg.model_name,
-            drafter=self.drafter_name,
+            drafter=getattr(res, "drafter", self.drafter_name),  # the drafter that decoded it (swaps)
             method=res.method,
             workload=req.workload,
             thinking=req.effort,
@@ -532,6 +566,28 @@ def read_json(raw: bytes):
     return body
 
 
+def swap_request(service: Service, authorization: str | None, raw: bytes) -> dict:
+    """POST /v1/dspine/drafter: the admin key checked, the body parsed, the drafter swapped -> what changed;
+    BadRequest (403 disabled, 401 wrong key, 400 bad body or a refused checkpoint) before anything changes."""
+    from dspine.checkpoint import CheckpointError
+
+    if not service.cfg.admin_key:
+        raise BadRequest("drafter swaps are disabled: start dspine serve with --admin-key", status=403)
+    if authorization != f"Bearer {service.cfg.admin_key}":
+        raise BadRequest("a drafter swap needs the admin key (Authorization: Bearer ...)", status=401)
+    body = read_json(raw)
+    if not isinstance(body, dict) or not isinstance(body.get("drafter"), str):
+        raise BadRequest(
+            "the body must be a JSON object with 'drafter': a checkpoint folder or 'none'", param="drafter"
+        )
+    if body.get("name") is not None and not isinstance(body["name"], str):
+        raise BadRequest("'name' must be a string", param="name")
+    try:
+        return service.swap_drafter(body["drafter"], body.get("name"))
+    except (CheckpointError, ValueError) as e:  # refused before the swap: the current drafter keeps serving
+        raise BadRequest(f"drafter refused: {e}", param="drafter") from None
+
+
 def error_response(service: Service, e: BadRequest):
     """A refusal in OpenAI's error shape (Retry-After on 429 / 503), counted by status."""
     from fastapi.responses import JSONResponse
@@ -615,6 +671,21 @@ def create_app(service: Service):
             ],
         }
 
+    @app.get("/v1/dspine/drafter")
+    async def drafter_info():
+        return {"drafter": service.drafter_name, "path": service.drafter_path, "method": service.engine.method,
+                "swaps": service.swaps[-20:]}  # fmt: skip
+
+    @app.post("/v1/dspine/drafter")
+    async def drafter_swap(request: Request):  # {"drafter": FOLDER | "none", "name": optional label}
+        from starlette.concurrency import run_in_threadpool
+
+        try:
+            return await run_in_threadpool(swap_request, service, request.headers.get("authorization"),
+                                           await request.body())  # fmt: skip
+        except BadRequest as e:
+            return error(e)
+
     @app.get("/health")
     async def health():  # liveness: 503 when the decode loop died or stalled
         return probe(service.health(), "live")
@@ -647,10 +718,12 @@ def serve(
     port: int = 8000,
     cfg: ServeConfig | None = None,
     drafter_name: str | None = None,
+    drafter_path: str | None = None,
 ) -> None:
     import uvicorn
 
     service = Service(engine, cfg, drafter_name)
+    service.drafter_path = drafter_path
     grace = service.cfg.grace_s
 
     class Server(uvicorn.Server):

@@ -1,0 +1,50 @@
+"""Deploy an adapted drafter that passed adapt/evaluate.py's gate into a running `dspine serve` (started with
+--admin-key): swap without dropping requests, check live acceptance, roll back when it falls short.
+
+    python adapt/deploy.py --evaluation bench/results/adapt.json --endpoint http://127.0.0.1:8000 --admin-key K
+
+Exit 0: deployed; 3: refused by the gate or rolled back after the live check; 2: bad input or a server that
+refused the swap (the old drafter keeps serving). Every decision is appended to the history (JSON lines,
+default deploys.jsonl beside the evaluation). Settings: DeployConfig (adapt/deployment.py) as dotted
+overrides, e.g. `live_requests=6 live_tolerance=0.9`.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse(argv=None):
+    from dspine.adapt.deployment import DeployConfig
+    from dspine.config import apply_overrides, from_dict, to_dict
+
+    p = argparse.ArgumentParser(prog="adapt/deploy.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--evaluation", required=True, help="adapt/evaluate.py's JSON (with the gate's decision)")
+    p.add_argument("--group", default="", help="which adapted drafter (default: the only one)")
+    p.add_argument("--endpoint", default="http://127.0.0.1:8000", help="the dspine server (default: %(default)s)")
+    p.add_argument("--admin-key", default=os.environ.get("DSPINE_ADMIN_KEY", ""), help="(default: $DSPINE_ADMIN_KEY)")
+    p.add_argument("--history", default="", help="JSON lines of decisions (default: deploys.jsonl beside --evaluation)")
+    p.add_argument("overrides", nargs="*", help="dotted settings, e.g. live_requests=6")
+    a = p.parse_args(argv)
+    data = {**to_dict(DeployConfig()), "evaluation": a.evaluation, "group": a.group, "endpoint": a.endpoint,
+            "admin_key": a.admin_key, "history": a.history}  # fmt: skip
+    return from_dict(DeployConfig, apply_overrides(data, a.overrides))
+
+
+def main(argv=None) -> int:
+    from dspine.adapt.deployment import DeployError, deploy
+    from dspine.config import ConfigError
+
+    try:
+        entry = deploy(parse(argv))
+    except (ConfigError, DeployError, OSError, ValueError) as e:
+        print(f"deploy: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: entry.get(k) for k in ("action", "group", "drafter", "gated_tau", "live", "reasons")}))
+    return 0 if entry["action"] == "deployed" else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

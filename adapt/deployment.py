@@ -1,0 +1,132 @@
+"""Deploying an adapted drafter that passed the gate (`adapt/deploy.py`): swap it into a running `dspine serve`
+without dropping requests, check live acceptance, roll back when it falls short, and keep the history.
+
+Design choices:
+- **Gate first**: the evaluation document's decision for the group is final; a refused drafter never reaches
+  the server (the decision is still recorded).
+- **The swap is the server's** (POST /v1/dspine/drafter with the admin key): the checkpoint is loaded and
+  checked against the target before anything changes — a wrong or broken file is refused and the old
+  drafter keeps serving — and batches already decoding finish on the old drafter.
+- **Live check**: a drafter whose weights were swapped wrongly serves τ = 1.0 while its training loss looked
+  fine, so every deploy ends with a few greedy requests through the server, their acceptance read back from
+  the server's own records; below `live_tolerance` × the gated figure (the adapted drafter's general-benchmark
+  τ, else its lowest held-out cell) the previous drafter is swapped back.
+- **History**: one JSON line per decision (refused, deployed, rolled back) with its figures, in a file
+  rewritten atomically, which the dashboard can show.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspine.stats import AcceptanceStats
+
+
+class DeployError(RuntimeError):
+    """The server refused the swap or could not be reached."""
+
+
+@dataclass
+class DeployConfig:
+    evaluation: str = ""  # adapt.json of adapt/evaluate.py
+    group: str = ""  # which adapted drafter (default: the only one)
+    endpoint: str = "http://127.0.0.1:8000"  # the dspine server (not the proxy)
+    admin_key: str = ""
+    history: str = ""  # JSON lines (default: beside the evaluation, deploys.jsonl)
+    prompts: list[str] = field(default_factory=list)  # live-check prompts (default: the general benchmarks')
+    live_requests: int = 4
+    max_tokens: int = 48
+    live_tolerance: float = 0.8  # roll back below this share of the gated τ
+
+
+def _call(url: str, body: dict | None = None, key: str | None = None, timeout: float = 600) -> dict:
+    req = urllib.request.Request(
+        url, data=None if body is None else json.dumps(body).encode(), method="POST" if body is not None else "GET"
+    )
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        msg = e.read().decode(errors="replace")
+        try:
+            msg = json.loads(msg)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise DeployError(f"{url}: HTTP {e.code}: {msg}") from None
+    except OSError as e:
+        raise DeployError(f"{url}: {e}") from None
+
+
+def live_tau(cfg: DeployConfig, prompts: list[str]) -> dict:
+    """Greedy chat requests through the server, their acceptance from its records -> pooled τ, requests."""
+    base = cfg.endpoint.rstrip("/")
+    model = _call(base + "/v1/models")["data"][0]["id"]
+    pooled, drafters = None, set()
+    for p in prompts[: cfg.live_requests]:
+        body = {"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": cfg.max_tokens,
+                "temperature": 0}  # fmt: skip
+        rid = _call(base + "/v1/chat/completions", body)["id"]
+        rec = _call(f"{base}/v1/dspine/requests/{rid}")
+        drafters.add(rec.get("drafter"))
+        hist = rec.get("accept_hist") or []
+        if hist:
+            st = AcceptanceStats(len(hist), hist)
+            pooled = st if pooled is None else pooled.merge(st)
+    return {"tau": pooled.tau if pooled else 1.0, "rounds": pooled.rounds if pooled else 0,
+            "requests": min(len(prompts), cfg.live_requests), "drafters": sorted(map(str, drafters))}  # fmt: skip
+
+
+def _default_prompts(doc: dict) -> list[str]:
+    from dspine.workloads import load_benchmark
+
+    benches = (doc.get("general") or {}).get("benchmarks") or ["gsm8k", "mt_bench", "humaneval", "arena_hard"]
+    return [it.turns[0] for b in benches for it in load_benchmark(b, 1)]
+
+
+def _append(path: Path, entry: dict) -> None:
+    from dspine.io import atomic_write_text
+
+    old = path.read_text() if path.is_file() else ""
+    atomic_write_text(path, old + json.dumps(entry) + "\n")
+
+
+def deploy(cfg: DeployConfig) -> dict:
+    """Gate, swap, live check, roll back if needed -> the history entry (also appended to the history)."""
+    doc = json.loads(Path(cfg.evaluation).read_text())
+    groups = list(doc["gate"])
+    group = cfg.group or (groups[0] if len(groups) == 1 else "")
+    if group not in doc["gate"]:
+        raise DeployError(f"--group must name one of the evaluated drafters {groups}")
+    info, decision = doc["drafters"][group], doc["gate"][group]
+    history = Path(cfg.history) if cfg.history else Path(cfg.evaluation).with_name("deploys.jsonl")
+    cells = {c: doc["per_cell"][c] for c in info["cells"]}
+    gated = (doc.get("general") or {}).get("tau_mean", {}).get(group) or min(c["adapted"] for c in cells.values())
+    entry = {"ts": time.time(), "group": group, "drafter": info["path"], "endpoint": cfg.endpoint,
+             "cells": {c: {k: v[k] for k in ("base", "adapted", "ratio")} for c, v in cells.items()},
+             "general_regression": (doc.get("general") or {}).get("regression", {}).get(group),
+             "gated_tau": gated}  # fmt: skip
+    if not decision["accept"]:
+        entry.update(action="refused", reasons=decision["reasons"])
+        _append(history, entry)
+        return entry
+    base = cfg.endpoint.rstrip("/")
+    before = _call(base + "/v1/dspine/drafter")
+    swap = _call(base + "/v1/dspine/drafter", {"drafter": info["path"], "name": f"adapted/{group}"}, cfg.admin_key)
+    live = live_tau(cfg, cfg.prompts or _default_prompts(doc))
+    entry.update(previous=before, swap=swap["current"], live=live, threshold=cfg.live_tolerance * gated)
+    if live["tau"] < cfg.live_tolerance * gated:
+        back = before.get("path") or "none"
+        _call(base + "/v1/dspine/drafter", {"drafter": back, "name": before.get("drafter")}, cfg.admin_key)
+        entry.update(action="rolled_back", reasons=[f"live τ {live['tau']:.3f} < {cfg.live_tolerance} × {gated:.3f}"])
+    else:
+        entry["action"] = "deployed"
+    _append(history, entry)
+    return entry

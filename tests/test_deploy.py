@@ -1,0 +1,135 @@
+"""Deploying a drafter into the real `dspine serve` (SmolLM2, 127.0.0.1): the swap endpoint under concurrent
+requests (none dropped, every reply equal to AR's), refusals before the swap (no key, another target's drafter,
+a corrupted file) with the old drafter serving on, and adapt/deploy.py's gate, live check and roll-back."""
+
+import json
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import CHAT_PROMPTS, tiny_target
+
+from dspine.adapt.deployment import DeployConfig, DeployError, deploy
+from dspine.checkpoint import save_drafter
+from dspine.drafter import DSpineDraftModel
+from dspine.serve.server import start_server_process
+
+KEY = "sekret"
+
+
+def call(base, path, body=None, key=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def chat(base, prompt):
+    body = {"model": "smol", "messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0}
+    status, j = call(base, "/v1/chat/completions", body)
+    assert status == 200, j
+    return j["choices"][0]["message"]["content"], call(base, f"/v1/dspine/requests/{j['id']}")[1]["drafter"]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_drafters, tmp_path_factory):
+    root = tmp_path_factory.mktemp("deploy")
+    a = save_drafter(smollm2_drafters["dspine"][1], root / "a" / "dspine")
+    save_drafter(smollm2_drafters["dflash"][1], root / "b" / "dflash")
+    tiny = tiny_target("llama")
+    save_drafter(DSpineDraftModel.for_target(tiny, method="dspine", num_hidden_layers=1), root / "other" / "dspine")
+    shutil.copytree(a, root / "broken")
+    wfile = root / "broken" / "model.safetensors"
+    wfile.write_bytes(wfile.read_bytes()[:1000])
+    proc, base = start_server_process(str(a), "smol", extra=["--admin-key", KEY, "--max-prompt-tokens", "200"])
+    try:
+        yield base, root
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_swap_under_load_drops_nothing_and_refuses_bad_checkpoints(server):
+    base, root = server
+    assert call(base, "/v1/dspine/drafter")[1]["drafter"] == "a/dspine"
+    prompts = CHAT_PROMPTS[:4]
+    before, after = [None] * 4, [None] * 4
+
+    def send(out, i):
+        out[i] = chat(base, prompts[i])
+
+    threads = [threading.Thread(target=send, args=(before, i)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # they are decoding (one batch) when the swap comes
+    status, swap = call(base, "/v1/dspine/drafter", {"drafter": str(root / "b" / "dflash")}, KEY)
+    assert status == 200 and swap["previous"]["drafter"] == "a/dspine" and swap["current"]["method"] == "dflash"
+    threads += [threading.Thread(target=send, args=(after, i)) for i in range(4)]
+    for t in threads[4:]:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(before) and all(after)  # none dropped
+    assert {d for _, d in before} == {"a/dspine"} and {d for _, d in after} == {"b/dflash"}
+    # refused before the swap; the current drafter serves on
+    assert call(base, "/v1/dspine/drafter", {"drafter": str(root / "a" / "dspine")})[0] == 401
+    assert call(base, "/v1/dspine/drafter", {"drafter": str(root / "a" / "dspine")}, "wrong")[0] == 401
+    status, e = call(base, "/v1/dspine/drafter", {"drafter": str(root / "other" / "dspine")}, KEY)
+    assert status == 400 and "drafter refused" in e["error"]["message"] and "built for" in e["error"]["message"]
+    status, e = call(base, "/v1/dspine/drafter", {"drafter": str(root / "broken")}, KEY)
+    assert status == 400 and "unreadable safetensors" in e["error"]["message"]
+    status, e = call(base, "/v1/dspine/drafter", {"nope": 1}, KEY)
+    assert status == 400 and e["error"]["param"] == "drafter"
+    assert call(base, "/v1/dspine/drafter")[1]["drafter"] == "b/dflash"
+    # AR through the same server: every reply above equals it
+    assert call(base, "/v1/dspine/drafter", {"drafter": "none"}, KEY)[1]["current"]["method"] == "ar"
+    ar = [chat(base, p) for p in prompts]
+    assert [t for t, _ in before] == [t for t, _ in ar] == [t for t, _ in after]
+    assert {d for _, d in ar} == {None}
+
+
+def test_deploy_gates_checks_live_acceptance_and_rolls_back(server, tmp_path):
+    base, root = server
+    call(base, "/v1/dspine/drafter", {"drafter": str(root / "b" / "dflash"), "name": "b/dflash"}, KEY)
+    doc = {
+        "gate": {"g": {"accept": True, "reasons": []}},
+        "drafters": {"g": {"path": str(root / "a" / "dspine"), "cells": ["tool/low"]}},
+        "per_cell": {"tool/low": {"base": 1.2, "adapted": 1.5, "ratio": 1.25}},
+        "general": None,
+    }
+    ev = tmp_path / "adapt.json"
+    ev.write_text(json.dumps(doc))
+    cfg = DeployConfig(evaluation=str(ev), endpoint=base, admin_key=KEY, prompts=CHAT_PROMPTS[:2], live_requests=2,
+                       max_tokens=24, live_tolerance=0.5)  # fmt: skip
+    ok = deploy(cfg)
+    assert ok["action"] == "deployed" and ok["live"]["drafters"] == ["adapted/g"] and ok["live"]["tau"] >= 1.0
+    assert call(base, "/v1/dspine/drafter")[1]["drafter"] == "adapted/g"
+    # a live τ below the gated figure: swapped back to what served before
+    call(base, "/v1/dspine/drafter", {"drafter": str(root / "b" / "dflash"), "name": "b/dflash"}, KEY)
+    cfg.live_tolerance = 100.0
+    back = deploy(cfg)
+    assert back["action"] == "rolled_back" and "live τ" in back["reasons"][0]
+    assert back["live"]["drafters"] == ["adapted/g"]  # measured on the new drafter
+    now = call(base, "/v1/dspine/drafter")[1]
+    assert now["drafter"] == "b/dflash" and now["path"] == str(root / "b" / "dflash")  # the previous one again
+    # refused by the gate: the server is not touched
+    doc["gate"]["g"] = {"accept": False, "reasons": ["tool/low: τ ratio 0.900 < 1.0"]}
+    ev.write_text(json.dumps(doc))
+    swaps = len(call(base, "/v1/dspine/drafter")[1]["swaps"])
+    assert deploy(cfg)["action"] == "refused"
+    assert len(call(base, "/v1/dspine/drafter")[1]["swaps"]) == swaps
+    hist = [json.loads(x) for x in (tmp_path / "deploys.jsonl").read_text().splitlines()]
+    assert [h["action"] for h in hist] == ["deployed", "rolled_back", "refused"]
+    doc["gate"]["g"] = {"accept": True, "reasons": []}
+    ev.write_text(json.dumps(doc))
+    with pytest.raises(DeployError, match="HTTP 401"):  # a wrong admin key: nothing swapped, nothing recorded
+        deploy(DeployConfig(evaluation=str(ev), endpoint=base, admin_key="wrong", prompts=CHAT_PROMPTS[:1]))
+    assert len((tmp_path / "deploys.jsonl").read_text().splitlines()) == 3
