@@ -3,7 +3,7 @@
 Design choices:
 - **Samples from token ids, never from text**: each trace row is one model call; its prompt ids then its
   completion ids are one sequence whose loss covers exactly the completion (the tokens the target generated,
-  `traces.loss_mask`). A row longer than `max_len` keeps its end: the completion and the context nearest it.
+  `traces.loss_mask`). A row longer than `train.max_len` keeps its end: the completion and the context nearest it.
 - **Split by episode**: a seeded share of each group's episodes is held out (never a turn of a training
   episode), for the held-out τ_sim that picks the best checkpoint and for `adapt/evaluate.py`.
 - **Groups**: one drafter for all traces, per workload, or per workload × thinking level (`per`).
@@ -60,7 +60,6 @@ class FinetuneConfig:
     workloads: list[str] = field(default_factory=list)  # empty: every workload in the traces
     levels: list[str] = field(default_factory=list)
     heldout_fraction: float = 0.2
-    max_len: int = 2048
     mix: str = ""  # a regenerated-data folder (dspine regen) mixed in
     mix_fraction: float = 0.0  # share of the training samples drawn from `mix`
     workers: int = 1  # Ray Train workers; 0: in this process, without Ray
@@ -80,8 +79,8 @@ class FinetuneConfig:
             raise ConfigError("heldout_fraction and mix_fraction must be in [0, 1)")
         if self.mix_fraction and not self.mix:
             raise ConfigError("mix_fraction > 0 needs mix (a regenerated-data folder)")
-        if self.workers < 0 or self.lora_rank < 1 or self.max_len < 8:
-            raise ConfigError("workers >= 0, lora_rank >= 1 and max_len >= 8")
+        if self.workers < 0 or self.lora_rank < 1 or self.train.max_len < 8:
+            raise ConfigError("workers >= 0, lora_rank >= 1 and train.max_len >= 8")
         if set(self.levels) - set(LEVELS):
             raise ConfigError(f"levels {sorted(set(self.levels) - set(LEVELS))}: one of {LEVELS}")
         self.train.validate()
@@ -128,7 +127,7 @@ def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
     rows = load_traces(cfg.traces).to_pylist()
     rows = [r for r in rows if (not cfg.workloads or r["workload"] in cfg.workloads)]
     rows = [r for r in rows if (not cfg.levels or r["thinking"] in cfg.levels)]
-    usable = [r for r in rows if row_sample(r, cfg.max_len) is not None]
+    usable = [r for r in rows if row_sample(r, cfg.train.max_len) is not None]
     if not usable:
         raise FinetuneError(f"{cfg.traces}: no trace rows with token ids and a completion (of {len(rows)} selected)")
     groups: dict[str, list[dict]] = {}
@@ -138,8 +137,8 @@ def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
     for g, grows in sorted(groups.items()):
         train, held = split_episodes(grows, cfg.heldout_fraction, cfg.seed)
         out[g] = {
-            "train": [row_sample(r, cfg.max_len) for r in train],
-            "heldout": [row_sample(r, cfg.max_len) for r in held],
+            "train": [row_sample(r, cfg.train.max_len) for r in train],
+            "heldout": [row_sample(r, cfg.train.max_len) for r in held],
             "heldout_episodes": sorted({r["episode_id"] for r in held}),
             "rows": len(grows),
         }
@@ -152,9 +151,8 @@ def mix_in(samples: list, cfg: FinetuneConfig) -> list:
         return samples
     from dspine.train.data import load_samples
 
-    general = [
-        (ids[-cfg.max_len :], max(1, start - max(0, len(ids) - cfg.max_len))) for ids, start in load_samples(cfg.mix)
-    ]
+    n = cfg.train.max_len
+    general = [(ids[-n:], max(1, start - max(0, len(ids) - n))) for ids, start in load_samples(cfg.mix)]
     want = round(len(samples) * cfg.mix_fraction / (1 - cfg.mix_fraction))
     rng = random.Random(cfg.seed)
     return samples + [general[i] for i in rng.sample(range(len(general)), min(want, len(general)))]
