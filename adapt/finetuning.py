@@ -204,7 +204,15 @@ def merge_lora(drafter):
 # --- training --------------------------------------------------------------------------------------------
 
 
-def train_group(cfg: FinetuneConfig, group: str, data: dict, workdir: Path, resume_from: Path | None, report=None):
+def train_group(
+    cfg: FinetuneConfig,
+    group: str,
+    data: dict,
+    workdir: Path,
+    resume_from: Path | None,
+    report=None,
+    progress: bool = False,
+):
     """Train one group's drafter in this process (one of the data-parallel workers, or alone) -> rank 0's
     history. Pauses every `report_every_s` to `report(workdir)` (weights, optimizer, data position in
     workdir/last); `resume_from`: a reported folder to continue from."""
@@ -225,7 +233,7 @@ def train_group(cfg: FinetuneConfig, group: str, data: dict, workdir: Path, resu
     if resume_from is not None:
         tr.resume()
     while True:  # segments of report_every_s: the trainer pauses (saving workdir/last), reports, continues
-        hist = tr.run(progress=False)[group]
+        hist = tr.run(progress=progress)[group]
         step, elapsed = hist[-1]["step"], hist[-1]["elapsed_s"]
         done = step >= tcfg.steps or bool(tcfg.time_budget_s and elapsed >= tcfg.time_budget_s)
         if report is not None:
@@ -289,8 +297,9 @@ def finetune(cfg: FinetuneConfig, progress: bool = True) -> dict:
         if not data["train"]:
             raise FinetuneError(f"group {g}: every episode is held out (only {data['rows']} rows)")
         if cfg.workers == 0:
-            work = Path(tempfile.mkdtemp(prefix="dspine-ft-"))
-            train_group(cfg, g, data, work, None)
+            work = out / "work" / g  # last/ best/ final/: the run's own state, beside its result
+            shutil.rmtree(work, ignore_errors=True)
+            train_group(cfg, g, data, work, None, progress=progress)
             final = work / "final"
             hist = [json.loads((final / "config.json").read_text())["dspine_training"]["history"]]
         else:
