@@ -4,7 +4,7 @@ PIP ?= $(PY) -m pip
 STAMP := .cache/installed
 DEMO := runs/demo
 
-.PHONY: install demo test test-all test-gpu lint format clean
+.PHONY: install demo demo-engine test test-all test-gpu lint format clean
 
 $(STAMP): pyproject.toml
 	# torch first: the CPU wheel on this image's disk (a plain range would pull a multi-GB CUDA build)
@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
+	# the main job: Ray head, dspine serve (shipped drafter), LiteLLM proxy; agent episodes at two thinking
+	# levels through the proxy; fine-tune (Ray Train) -> held-out replay -> gate -> deploy; the table
+	$(PY) adapt/demo.py --work $(DEMO)
+
+demo-engine: $(STAMP)
 	# the drafter that ships for the built-in target: a reply, then AR and speculative decoding side by side
 	dspine generate --drafter builtin --max-tokens 96 \
 	    --prompt "Give me three tips for writing clear Python code."

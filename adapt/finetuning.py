@@ -4,8 +4,8 @@ Design choices:
 - **Samples from token ids, never from text**: each trace row is one model call; its prompt ids then its
   completion ids are one sequence whose loss covers exactly the completion (the tokens the target generated,
   `traces.loss_mask`). A row longer than `train.max_len` keeps its end: the completion and the context nearest it.
-- **Split by episode**: a seeded share of each group's episodes is held out (never a turn of a training
-  episode), for the held-out τ_sim that picks the best checkpoint and for `adapt/evaluate.py`.
+- **Split by episode**: a seeded share of each workload × level cell's episodes is held out (never a turn of
+  a training episode), for the held-out τ_sim that picks the best checkpoint and for `adapt/evaluate.py`.
 - **Groups**: one drafter for all traces, per workload, or per workload × thinking level (`per`).
 - **Warm start, never resume**: the base's weights only (its config and target checked by `load_drafter`),
   a fresh optimizer at a low learning rate; `mode=lora` injects peft LoRA into `target_modules` (by name) and
@@ -109,12 +109,17 @@ def group_of(row: dict, per: str) -> str:
 
 
 def split_episodes(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows): a seeded share of the episodes (at least one when there are two or more)
-    goes to the held-out side whole."""
-    eps = sorted({r["episode_id"] for r in rows})
-    random.Random(seed).shuffle(eps)
-    n = min(len(eps) - 1, max(1, round(fraction * len(eps)))) if fraction > 0 and len(eps) > 1 else 0
-    held = set(eps[:n])
+    """(train rows, held-out rows): in each workload × thinking-level cell, a seeded share of its episodes (at
+    least one when the cell has two or more) goes to the held-out side whole, so every cell is measured."""
+    held: set[str] = set()
+    by_cell: dict[str, set[str]] = {}
+    for r in rows:
+        by_cell.setdefault(f"{r['workload']}/{r['thinking']}", set()).add(r["episode_id"])
+    for cell, ids in sorted(by_cell.items()):
+        eps = sorted(ids)
+        random.Random(f"{seed}:{cell}").shuffle(eps)
+        n = min(len(eps) - 1, max(1, round(fraction * len(eps)))) if fraction > 0 and len(eps) > 1 else 0
+        held.update(eps[:n])
     return [r for r in rows if r["episode_id"] not in held], [r for r in rows if r["episode_id"] in held]
 
 

@@ -1,0 +1,190 @@
+"""`make demo`: the main job, end to end on this machine (CPU) — a local Ray head, `dspine serve` with the
+shipped drafter, the LiteLLM proxy in front of it; agent episodes at two thinking levels collected through the
+proxy as a Ray job; then one turn of the closed loop (adapt/cycle.py): the proxy's records -> traces ->
+fine-tune under Ray Train -> held-out replay per workload × level + general benchmarks -> gate -> swap into the
+running server with a live check; a few requests through the proxy on the new drafter; the table.
+
+    python adapt/demo.py [--work runs/demo] [--episodes 3] [--steps 12] [--keep]
+
+Sizes are small enough for a 2-core machine; every stage says what it does and how long it took. --keep
+leaves the server, proxy and Ray head running (the dashboard: `dspine dashboard --db WORK/proxy.db`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Stages:
+    def __init__(self, total: int):
+        self.total, self.n, self.t0, self.t = total, 0, time.time(), time.time()
+
+    def __call__(self, what: str) -> None:
+        now = time.time()
+        if self.n:
+            print(f"      done in {now - self.t:.0f} s", flush=True)
+        self.n, self.t = self.n + 1, now
+        print(f"[{self.n}/{self.total} · {now - self.t0:4.0f} s] {what}", flush=True)
+
+
+def ray_env() -> dict:
+    # one machine: every Ray address stays 127.0.0.1 (Ray otherwise swaps it for the interface address)
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+
+
+def start_ray(env: dict) -> tuple[str, str]:
+    from dspine.process import free_port
+
+    port, dash = free_port(), free_port()
+    cmd = ["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--dashboard-host",
+           "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", str(os.cpu_count() or 2),
+           "--disable-usage-stats"]  # fmt: skip
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=180)
+    return f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
+
+
+def proxy_chat(proxy: str, key: str, workload: str, level: str, prompt: str) -> str:
+    body = {"model": "smol", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0,
+            "reasoning_effort": level, "metadata": {"workload": workload}}  # fmt: skip
+    req = urllib.request.Request(proxy + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())["id"]
+
+
+def table(it: dict, doc: dict) -> str:
+    from dspine.io import md_table
+
+    rows = [
+        [c, f"{v['base']:.3f}", f"{v['adapted']:.3f}", f"{v['ratio']:.3f}"] for c, v in sorted(it["per_cell"].items())
+    ]
+    out = md_table(["workload/level", "τ base", "τ adapted", "ratio"], rows)
+    g = doc.get("general") or {}
+    if g:
+        out += "\n\ngeneral benchmarks (" + ", ".join(g["benchmarks"]) + f", T = 0): τ base {g['tau_mean']['base']:.3f}"
+        out += "".join(
+            f", {n} {t:.3f} (regression {g['regression'][n]:+.1%})" for n, t in g["tau_mean"].items() if n != "base"
+        )
+    gate = "; ".join(
+        f"{n}: {'accept' if d['accept'] else 'refuse (' + ', '.join(d['reasons']) + ')'}"
+        for n, d in doc["gate"].items()
+    )
+    deploys = "; ".join(
+        f"{d['group']}: {d['action']}" + (f" (live τ {d['live']['tau']:.3f})" if d.get("live") else "")
+        for d in it["deploys"]
+    )
+    return out + f"\n\ngate: {gate}\ndeploy: {deploys}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="adapt/demo.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--work", default="runs/demo")
+    ap.add_argument("--workload", default="tool", help="agent workload collected (tool, office, swe)")
+    ap.add_argument("--levels", default="low,high")
+    ap.add_argument("--episodes", type=int, default=3, help="per level (one of each level's is held out)")
+    ap.add_argument("--steps", type=int, default=12, help="fine-tuning steps")
+    ap.add_argument("--keep", action="store_true", help="leave the server, proxy and Ray head running")
+    a = ap.parse_args(argv)
+
+    from dspine.adapt.cycle import LoopConfig, run_iteration
+    from dspine.adapt.deployment import DeployConfig
+    from dspine.adapt.evaluation import EvalConfig
+    from dspine.adapt.finetuning import FinetuneConfig
+    from dspine.process import free_port
+    from dspine.serve.proxy import ProxyConfig, parse_backend, start_proxy, stop_proxy
+    from dspine.serve.server import start_server_process
+    from dspine.serve.store import AcceptanceStore
+    from dspine.train.loop import TrainConfig
+
+    work = Path(a.work).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = ray_env()
+    os.environ.update(
+        {k: env[k] for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    )
+    stage = Stages(7)
+    admin, master = secrets.token_hex(8), "sk-demo-" + secrets.token_hex(8)
+    server = proxy = None
+    ray_up = False
+    try:
+        stage("Ray head on 127.0.0.1")
+        address, dashboard = start_ray(env)
+        ray_up = True
+        os.environ["RAY_ADDRESS"] = address  # Ray Train (fine-tune) joins this head
+        stage("dspine serve: SmolLM2-135M-Instruct + the shipped DSpine drafter (swappable: --admin-key)")
+        log = open(work / "server.log", "wb")
+        server, base = start_server_process(
+            "builtin", "smol", extra=["--admin-key", admin, "--max-prompt-tokens", "7000"], log=log
+        )
+        stage("LiteLLM proxy in front of it, recording every request in a SQLite store")
+        cfg = ProxyConfig(backends=[parse_backend(f"smol={base}/v1@smol")], port=free_port(), db=str(work / "proxy.db"),
+                          workdir=str(work / "proxy"))  # fmt: skip
+        proxy = start_proxy(cfg, key=master, log=open(work / "proxy.log", "wb"))
+        purl = f"http://127.0.0.1:{cfg.port}"
+        stage(f"collect {a.episodes} {a.workload} episodes per level ({a.levels}) through the proxy: a Ray job")
+        cmd = ["ray", "job", "submit", "--address", dashboard, "--working-dir", str(ROOT), "--", "python",
+               "adapt/collect.py", "--endpoint", purl + "/v1", "--api-key", master, "--model", "smol",
+               "--out", str(work / "collected"), "--workloads", a.workload, "--levels", a.levels,
+               "--episodes", str(a.episodes), "--max-turns", "1", "--max-tokens", "64",
+               "--concurrency", "2"]  # fmt: skip
+        job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        (work / "collect.log").write_text(job.stdout + job.stderr)
+        if job.returncode:
+            print(job.stdout[-2000:], job.stderr[-2000:], file=sys.stderr)
+            return 1
+        for _ in range(120):  # the proxy writes its records after answering
+            if len(AcceptanceStore(cfg.db).traces()) >= a.episodes * len(a.levels.split(",")):
+                break
+            time.sleep(0.5)
+        stage(f"adapt: records -> traces -> fine-tune ({a.steps} steps, Ray Train) -> held-out replay + gate -> deploy")
+        loop = LoopConfig(
+            store=cfg.db, work=str(work / "loop"), min_rows=2,
+            finetune=FinetuneConfig(base="builtin", workers=1, heldout_fraction=0.34,
+                                    train=TrainConfig(steps=a.steps, batch_size=2, anchors_per_seq=16, max_len=512,
+                                                      lr=1e-4, warmup_steps=2, eval_every=1000)),
+            evaluate=EvalConfig(benchmarks=["gsm8k", "mt_bench"], limit=1, max_new_tokens=32),
+            deploy=DeployConfig(endpoint=base, admin_key=admin, live_requests=2, max_tokens=32, live_tolerance=0.5),
+        )  # fmt: skip
+        it = run_iteration(loop, progress=True)
+        if it["action"] != "adapted":
+            print(f"nothing adapted: {it.get('reason')}", file=sys.stderr)
+            return 1
+        doc = json.loads((work / "loop" / "iter-000" / "adapt.json").read_text())
+        stage("requests through the proxy on the deployed drafter")
+        ids = [proxy_chat(purl, master, a.workload, lv, "Name three prime numbers.") for lv in a.levels.split(",")]
+        time.sleep(1.0)
+        served = {r["request_id"]: r["drafter"] for r in AcceptanceStore(cfg.db).rows()}
+        stage("result")
+        print(table(it, doc))
+        print("proxy requests served by: " + ", ".join(sorted({str(served.get(i)) for i in ids})))
+        print(f"\nrecords: {cfg.db}; the dashboard: dspine dashboard --db {cfg.db}  (then http://127.0.0.1:8050)")
+        print(f"adapt.json / adapt.md: {work / 'loop' / 'iter-000'}; deploy history: {work / 'loop' / 'deploys.jsonl'}")
+        return 0
+    finally:
+        if not a.keep:
+            if proxy is not None:
+                stop_proxy(proxy)
+            if server is not None:
+                server.terminate()
+                server.wait(30)
+            if ray_up:
+                subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        print(f"total {time.time() - stage.t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
