@@ -154,8 +154,8 @@ def main(argv=None) -> int:
         loop = LoopConfig(
             store=cfg.db, work=str(work / "loop"), min_rows=2,
             finetune=FinetuneConfig(base="builtin", workers=1, heldout_fraction=0.34,
-                                    train=TrainConfig(steps=a.steps, batch_size=2, anchors_per_seq=16, max_len=512,
-                                                      lr=1e-4, warmup_steps=2, eval_every=1000)),
+                                    train=TrainConfig(steps=a.steps, batch_size=2, anchors_per_seq=16, max_len=768,
+                                                      lr=5e-5, warmup_steps=4, eval_every=1000)),
             evaluate=EvalConfig(benchmarks=["gsm8k", "mt_bench"], limit=1, max_new_tokens=32),
             deploy=DeployConfig(endpoint=base, admin_key=admin, live_requests=2, max_tokens=32, live_tolerance=0.5),
         )  # fmt: skip
@@ -182,6 +182,10 @@ def main(argv=None) -> int:
                 server.terminate()
                 server.wait(30)
             if ray_up:
+                import ray
+
+                if ray.is_initialized():  # this process joined the head for Ray Train: leave before it stops
+                    ray.shutdown()
                 subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
         print(f"total {time.time() - stage.t0:.0f} s", flush=True)
 
