@@ -183,3 +183,27 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
     bad = evaluate_adaptation(EvalConfig(finetune=str(tmp_path / "sw"), limit=0), progress=False)
     assert bad["per_cell"]["tool/low"]["ratio"] == pytest.approx(1 / cell["ratio"])
     assert not bad["gate"]["all"]["accept"] and "tool/low: τ ratio" in bad["gate"]["all"]["reasons"][0]
+
+
+def test_mixing_in_regenerated_data_holds_its_share(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dspine.adapt.finetuning import mix_in
+
+    rng = random.Random(5)
+    general = [([rng.randrange(128) for _ in range(40)], [rng.randrange(128) for _ in range(30)]) for _ in range(20)]
+    (tmp_path / "regen").mkdir()
+    pq.write_table(pa.table({"prompt_ids": [p for p, _ in general], "response_ids": [r for _, r in general]}),
+                   tmp_path / "regen" / "part-00000.parquet")  # fmt: skip
+    traces = [([1] * 20, 10)] * 6
+    cfg = dataclasses.replace(_cfg(tmp_path, name="m"), mix=str(tmp_path / "regen"), mix_fraction=0.5)
+    cfg.train = dataclasses.replace(cfg.train, max_len=64)
+    out = mix_in(traces, cfg)
+    assert out[:6] == traces and len(out) == 12  # half of the result is general data
+    whole = {tuple(p + r) for p, r in general}
+    for ids, start in out[6:]:  # each a regenerated sample, its end kept within max_len, loss on its response
+        assert len(ids) == 64 and start == 40 - 6 and any(t[-64:] == tuple(ids) for t in whole)
+    assert mix_in(traces, dataclasses.replace(cfg, mix_fraction=0.0)) == traces
+    with pytest.raises(ValueError, match="mix_fraction > 0 needs mix"):
+        dataclasses.replace(cfg, mix="").validate()
