@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,12 +55,11 @@ def start_ray(env: dict) -> tuple[str, str]:
 
 
 def proxy_chat(proxy: str, key: str, workload: str, level: str, prompt: str) -> str:
+    from dspine.adapt.deployment import call_json
+
     body = {"model": "smol", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0,
             "reasoning_effort": level, "metadata": {"workload": workload}}  # fmt: skip
-    req = urllib.request.Request(proxy + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())["id"]
+    return call_json(proxy + "/v1/chat/completions", body, key)["id"]
 
 
 def table(it: dict, doc: dict) -> str:

@@ -17,7 +17,7 @@ import sys
 
 def parse(argv=None):
     from dspine.adapt.deployment import DeployConfig
-    from dspine.config import apply_overrides, from_dict, to_dict
+    from dspine.config import configure
 
     p = argparse.ArgumentParser(prog="adapt/deploy.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -28,9 +28,8 @@ def parse(argv=None):
     p.add_argument("--history", default="", help="JSON lines of decisions (default: deploys.jsonl beside --evaluation)")
     p.add_argument("overrides", nargs="*", help="dotted settings, e.g. live_requests=6")
     a = p.parse_args(argv)
-    data = {**to_dict(DeployConfig()), "evaluation": a.evaluation, "group": a.group, "endpoint": a.endpoint,
-            "admin_key": a.admin_key, "history": a.history}  # fmt: skip
-    return from_dict(DeployConfig, apply_overrides(data, a.overrides))
+    return configure(DeployConfig, a.overrides, evaluation=a.evaluation, group=a.group, endpoint=a.endpoint,
+                     admin_key=a.admin_key, history=a.history)  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -44,7 +44,7 @@ class DeployConfig:
     live_tolerance: float = 0.8  # roll back below this share of the gated τ
 
 
-def _call(url: str, body: dict | None = None, key: str | None = None, timeout: float = 600) -> dict:
+def call_json(url: str, body: dict | None = None, key: str | None = None, timeout: float = 600) -> dict:
     req = urllib.request.Request(
         url, data=None if body is None else json.dumps(body).encode(), method="POST" if body is not None else "GET"
     )
@@ -68,13 +68,13 @@ def _call(url: str, body: dict | None = None, key: str | None = None, timeout: f
 def live_tau(cfg: DeployConfig, prompts: list[str]) -> dict:
     """Greedy chat requests through the server, their acceptance from its records -> pooled τ, requests."""
     base = cfg.endpoint.rstrip("/")
-    model = _call(base + "/v1/models")["data"][0]["id"]
+    model = call_json(base + "/v1/models")["data"][0]["id"]
     pooled, drafters = None, set()
     for p in prompts[: cfg.live_requests]:
         body = {"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": cfg.max_tokens,
                 "temperature": 0}  # fmt: skip
-        rid = _call(base + "/v1/chat/completions", body)["id"]
-        rec = _call(f"{base}/v1/dspine/requests/{rid}")
+        rid = call_json(base + "/v1/chat/completions", body)["id"]
+        rec = call_json(f"{base}/v1/dspine/requests/{rid}")
         drafters.add(rec.get("drafter"))
         hist = rec.get("accept_hist") or []
         if hist:
@@ -118,13 +118,13 @@ def deploy(cfg: DeployConfig) -> dict:
         _append(history, entry)
         return entry
     base = cfg.endpoint.rstrip("/")
-    before = _call(base + "/v1/dspine/drafter")
-    swap = _call(base + "/v1/dspine/drafter", {"drafter": info["path"], "name": f"adapted/{group}"}, cfg.admin_key)
+    before = call_json(base + "/v1/dspine/drafter")
+    swap = call_json(base + "/v1/dspine/drafter", {"drafter": info["path"], "name": f"adapted/{group}"}, cfg.admin_key)
     live = live_tau(cfg, cfg.prompts or _default_prompts(doc))
     entry.update(previous=before, swap=swap["current"], live=live, threshold=cfg.live_tolerance * gated)
     if live["tau"] < cfg.live_tolerance * gated:
         back = before.get("path") or "none"
-        _call(base + "/v1/dspine/drafter", {"drafter": back, "name": before.get("drafter")}, cfg.admin_key)
+        call_json(base + "/v1/dspine/drafter", {"drafter": back, "name": before.get("drafter")}, cfg.admin_key)
         entry.update(action="rolled_back", reasons=[f"live τ {live['tau']:.3f} < {cfg.live_tolerance} × {gated:.3f}"])
     else:
         entry["action"] = "deployed"

@@ -15,7 +15,7 @@ import sys
 
 def parse(argv=None):
     from dspine.adapt.evaluation import EvalConfig
-    from dspine.config import apply_overrides, from_dict, to_dict
+    from dspine.config import configure
 
     p = argparse.ArgumentParser(prog="adapt/evaluate.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -24,8 +24,7 @@ def parse(argv=None):
     p.add_argument("--summary", default="", help="summary.json whose `adaptation` section is rewritten")
     p.add_argument("overrides", nargs="*", help="dotted settings, e.g. limit=3 min_ratio=1.05")
     a = p.parse_args(argv)
-    data = {**to_dict(EvalConfig()), "finetune": a.finetune, "out": a.out, "summary": a.summary}
-    return from_dict(EvalConfig, apply_overrides(data, a.overrides))
+    return configure(EvalConfig, a.overrides, finetune=a.finetune, out=a.out, summary=a.summary)
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ import sys
 
 def parse(argv=None):
     from dspine.adapt.finetuning import FinetuneConfig
-    from dspine.config import apply_overrides, from_dict, to_dict
+    from dspine.config import configure
 
     p = argparse.ArgumentParser(prog="adapt/finetune.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -29,9 +29,8 @@ def parse(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per worker)")
     p.add_argument("overrides", nargs="*", help="dotted settings, e.g. mode=lora train.lr=1e-4 per=workload")
     a = p.parse_args(argv)
-    data = {**to_dict(FinetuneConfig()), "traces": a.traces, "out": a.out, "base": a.base, "target": a.target,
-            "workers": a.workers, "device": a.device}  # fmt: skip
-    return from_dict(FinetuneConfig, apply_overrides(data, a.overrides))
+    return configure(FinetuneConfig, a.overrides, traces=a.traces, out=a.out, base=a.base, target=a.target,
+                     workers=a.workers, device=a.device)  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -68,9 +68,7 @@ class FinetuneConfig:
     seed: int = 0
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=200, lr=1e-4, warmup_steps=10, eval_every=50))
 
-    def validate(self) -> None:
-        if not self.traces or not self.out:
-            raise ConfigError("traces and out are required")
+    def validate(self) -> None:  # traces and out may come later (the loop fills them per iteration)
         if self.mode not in ("full", "lora"):
             raise ConfigError(f"mode {self.mode!r}: full or lora")
         if self.per not in ("all", "workload", "workload_level"):
@@ -293,6 +291,8 @@ def finetune(cfg: FinetuneConfig, progress: bool = True) -> dict:
     from dspine.config import to_dict
     from dspine.io import atomic_write_text
 
+    if not cfg.traces or not cfg.out:
+        raise ConfigError("traces and out are required")
     cfg.validate()
     groups = load_groups(cfg)
     out = Path(cfg.out)
@@ -306,9 +306,9 @@ def finetune(cfg: FinetuneConfig, progress: bool = True) -> dict:
             shutil.rmtree(work, ignore_errors=True)
             train_group(cfg, g, data, work, None, progress=progress)
             final = work / "final"
-            hist = [json.loads((final / "config.json").read_text())["dspine_training"]["history"]]
         else:
-            final, hist = _fit_with_ray(cfg, g, data, out)
+            final = _fit_with_ray(cfg, g, data, out)
+        last = json.loads((final / "config.json").read_text())["dspine_training"]["history"]
         dest = out / g
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(final, dest)
@@ -317,13 +317,13 @@ def finetune(cfg: FinetuneConfig, progress: bool = True) -> dict:
             "train_samples": len(data["train"]),
             "heldout_samples": len(data["heldout"]),
             "heldout_episodes": data["heldout_episodes"],
-            "last": hist[-1] if hist else None,
+            "last": last,
         }
     atomic_write_text(out / "finetune.json", json.dumps(summary, indent=1))
     return summary
 
 
-def _fit_with_ray(cfg: FinetuneConfig, group: str, data: dict, out: Path) -> tuple[Path, list]:
+def _fit_with_ray(cfg: FinetuneConfig, group: str, data: dict, out: Path) -> Path:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -345,5 +345,4 @@ def _fit_with_ray(cfg: FinetuneConfig, group: str, data: dict, out: Path) -> tup
     with result.checkpoint.as_directory() as d:
         keep = Path(tempfile.mkdtemp(prefix="dspine-ft-final-"))
         shutil.copytree(Path(d) / "final", keep / "final")
-        hist = json.loads((Path(d) / "final" / "config.json").read_text())["dspine_training"]["history"]
-    return keep / "final", [hist]
+    return keep / "final"

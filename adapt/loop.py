@@ -17,7 +17,7 @@ import sys
 
 def parse(argv=None):
     from dspine.adapt.cycle import LoopConfig
-    from dspine.config import apply_overrides, from_dict, to_dict
+    from dspine.config import configure
 
     p = argparse.ArgumentParser(prog="adapt/loop.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -30,11 +30,8 @@ def parse(argv=None):
     p.add_argument("--iterations", type=int, default=1, help="how many (0: until stopped)")
     p.add_argument("overrides", nargs="*", help="dotted settings, e.g. finetune.workers=2 evaluate.limit=1")
     a = p.parse_args(argv)
-    data = to_dict(LoopConfig())
-    data.update(store=a.store, work=a.work, every_s=a.every, iterations=a.iterations)
-    data["deploy"].update(endpoint=a.endpoint, admin_key=a.admin_key)
-    data["finetune"].update(base=a.base)
-    return from_dict(LoopConfig, apply_overrides(data, a.overrides))
+    return configure(LoopConfig, a.overrides, store=a.store, work=a.work, every_s=a.every, iterations=a.iterations,
+                     deploy={"endpoint": a.endpoint, "admin_key": a.admin_key}, finetune={"base": a.base})  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -565,10 +565,9 @@ def cmd_train(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from pathlib import Path
 
     from dspine.checkpoint import load_drafter, resolve_drafter
-    from dspine.serve.server import ServeConfig, serve
+    from dspine.serve.server import ServeConfig, drafter_label, serve
     from dspine.target import load_target
 
     if a.max_batch < 1 or a.max_queue < 1 or a.grace_seconds < 0:
@@ -578,7 +577,7 @@ def cmd_serve(a) -> int:
     drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device) if a.drafter else None
     cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch, max_queue=a.max_queue,
                       grace_s=a.grace_seconds, admin_key=a.admin_key)  # fmt: skip
-    name = "/".join(Path(a.drafter).resolve().parts[-2:]) if a.drafter else None  # no absolute path shown
+    name = drafter_label(a.drafter) if a.drafter else None
     serve(_engine(target, drafter, a.draft_len), a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter)
     return 0
 

@@ -151,6 +151,19 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+def _merged(base: dict, fields: dict) -> dict:
+    out = dict(base)
+    for k, v in fields.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def configure(cls: type[T], overrides: list[str], **fields) -> T:
+    """An entry point's config: `cls`'s defaults, then `fields` (its options; dicts merge into sections), then
+    the dotted `overrides` -> a checked `cls` (unknown keys refused)."""
+    return from_dict(cls, apply_overrides(_merged(to_dict(cls()), fields), overrides))
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `a.b.c=value` overrides (values parsed as JSON when they parse, else kept as strings)."""
     out = json.loads(json.dumps(data))

@@ -28,9 +28,14 @@ def enabled(x) -> bool:
     return x.is_cuda and not torch.is_grad_enabled() and os.environ.get("DSPINE_KERNELS", "1") != "0" and available()
 
 
+def fused_max_width() -> int:
+    """The widest model the fused injection and transition kernels serve (DSPINE_FUSED_MAX_WIDTH, 1024)."""
+    return int(os.environ.get("DSPINE_FUSED_MAX_WIDTH", "1024"))
+
+
 def fused_width_ok(x) -> bool:
-    """enabled(x), and x's last dimension (the model width) at most DSPINE_FUSED_MAX_WIDTH."""
-    return enabled(x) and x.shape[-1] <= int(os.environ.get("DSPINE_FUSED_MAX_WIDTH", "1024"))
+    """enabled(x), and x's last dimension (the model width) at most fused_max_width()."""
+    return enabled(x) and x.shape[-1] <= fused_max_width()
 
 
 def setting(env: str, allowed: tuple[str, ...], default: str, value: str | None = None) -> str:

@@ -48,6 +48,13 @@ from dspine.serve.records import RequestRecord
 REASONING_BUDGET = {"low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
 
 
+def drafter_label(path: str) -> str:
+    """How records, /v1/models and swaps name a drafter folder: its last two path parts (never an absolute path)."""
+    from pathlib import Path
+
+    return "/".join(Path(path).resolve().parts[-2:])
+
+
 @dataclass
 class ServeConfig:
     model_name: str = "dspine"
@@ -334,8 +341,6 @@ class Service:
         """Serve another drafter ("none": AR): loaded and checked against the target first (a wrong or broken
         checkpoint raises CheckpointError and the current one keeps serving); batches already decoding
         finish on the old drafter, new ones start on the new -> {"previous", "current"}."""
-        from pathlib import Path
-
         from dspine.checkpoint import load_drafter
 
         tgt = self.engine.target
@@ -343,7 +348,7 @@ class Service:
         keep = self.engine.draft_len if drafter is not None and self.engine.drafter is not None else None
         B = drafter.config.block_size if drafter is not None else 1
         engine = Engine(tgt, drafter, keep if keep is not None and keep <= B - 1 else None)
-        label = None if drafter is None else (name or "/".join(Path(path).resolve().parts[-2:]))
+        label = None if drafter is None else (name or drafter_label(path))
         with self.lock:
             previous = {"drafter": self.drafter_name, "path": self.drafter_path, "method": self.engine.method}
             self.engine, self.drafter_name, self.drafter_path = engine, label, None if drafter is None else path

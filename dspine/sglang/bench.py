@@ -228,14 +228,21 @@ def _spec_figures(row: dict, docs: list[dict], wall: float, before: dict | None,
     return taus, counts
 
 
-def _c1_figures(row, docs, prefill, counts, taus, bench_of, per_bench, name) -> None:
-    """At concurrency 1: the round time (drafters) or the AR step, and τ per benchmark."""
+def c1_cost(docs: list[dict], prefill: list[float], counts: list | None) -> dict:
+    """Requests decoded one at a time, their prefill times -> {"round_ms"} per verify round (drafters: `counts`
+    of (accepted, rounds) per request) or {"ar_step_ms"} per decode step (AR: counts None)."""
     decode = [max(1e-9, d["latency_s"] - p) for d, p in zip(docs, prefill)]
     if counts is None:
         steps = sum(max(1, d["meta_info"]["completion_tokens"] - 1) for d in docs)
-        row["ar_step_ms"] = 1000 * sum(decode) / steps
+        return {"ar_step_ms": 1000 * sum(decode) / steps}
+    return {"round_ms": 1000 * sum(decode) / sum(max(1, r) for _, r in counts)}
+
+
+def _c1_figures(row, docs, prefill, counts, taus, bench_of, per_bench, name) -> None:
+    """At concurrency 1: the round time (drafters) or the AR step, and τ per benchmark."""
+    row.update(c1_cost(docs, prefill, counts))
+    if counts is None:
         return
-    row["round_ms"] = 1000 * sum(decode) / sum(max(1, r) for _, r in counts)
     per_bench[name] = {}
     for b in dict.fromkeys(bench_of):
         t = [x for x, bb in zip(taus, bench_of) if bb == b]

@@ -193,7 +193,7 @@ def _requests(conc: int, minimum: int) -> int:
 def measure_server(srv, prompts: list[list[int]], conc: list[int], max_new_tokens: int, timing, minimum=8) -> dict:
     """One serving SGLang server -> {str(c): row}; a drafter's rows carry τ and the CUDA-event round split,
     the concurrency-1 row the wall-clock round (drafters) or step (AR)."""
-    from dspine.sglang.bench import _run_set, _spec_figures, _timing_mark
+    from dspine.sglang.bench import _run_set, _spec_figures, _timing_mark, c1_cost
 
     spec = timing is not None
     first = prompts[:minimum]
@@ -206,18 +206,13 @@ def measure_server(srv, prompts: list[list[int]], conc: list[int], max_new_token
         docs, wall = _run_set(srv, batch, c, max_new_tokens, 0.0, ignore_eos=True)
         toks = sum(d["meta_info"]["completion_tokens"] for d in docs)
         row = {"requests": n, "tokens": toks, "seconds": wall, "tokens_per_s": toks / wall}
+        counts = None
         if spec:
             after = _timing_mark(srv, prompts[0], timing)
             _, counts = _spec_figures(row, docs, wall, before, after)
             before = after
         if c == 1:
-            decode = [max(1e-9, d["latency_s"] - p) for d, p in zip(docs, prefill)]
-            if spec:
-                row["round_ms"] = 1000 * sum(decode) / sum(max(1, r) for _, r in counts)
-            else:
-                row["ar_step_ms"] = (
-                    1000 * sum(decode) / sum(max(1, d["meta_info"]["completion_tokens"] - 1) for d in docs)
-                )
+            row.update(c1_cost(docs, prefill, counts))
         rows[str(c)] = row
     return rows
 
@@ -366,8 +361,8 @@ def run_scale(cfg: ScaleConfig) -> dict:
 
 def _kernels(path: str | None) -> dict | None:
     """bench/kernels.py's JSON -> per-round injection and transition ms at batch 1, bf16, graph replay, for
-    the path the plugin takes at that width (kernels.fused_width_ok: fused up to DSPINE_FUSED_MAX_WIDTH)."""
-    import os
+    the path the plugin takes at that width (kernels.fused_width_ok)."""
+    from dspine.kernels import fused_max_width
 
     if not path:
         return None
@@ -375,7 +370,7 @@ def _kernels(path: str | None) -> dict | None:
     if not rows:
         return None
     r = rows[0]
-    fused = r.get("hidden", 576) <= int(os.environ.get("DSPINE_FUSED_MAX_WIDTH", "1024"))
+    fused = r.get("hidden", 576) <= fused_max_width()
     best = min(("rows", "split"), key=lambda v: r[f"{v}_graph_ms"]) if fused else "eager"
     return {
         "injection_ms": r[f"{best}_graph_ms"],
