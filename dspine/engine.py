@@ -18,7 +18,7 @@ import torch
 
 from dspine.decoding import propose
 from dspine.drafter import DSpineDraftModel, block_attention_mask
-from dspine.sampling import RequestError, SamplingParams, sample, warp_probs
+from dspine.sampling import RequestError, SamplingParams, penalize, sample, warp_probs
 from dspine.stats import AcceptanceStats
 from dspine.target import Target
 from dspine.verify import verify_greedy, verify_sampled
@@ -34,7 +34,9 @@ class GenerationResult:
     stats: AcceptanceStats | None = None
     seconds: float = 0.0
     timings: dict = field(default_factory=dict)
-    batch_size: int = 1  # requests decoded together with this one (generate_batch)
+    batch_size: int = 1  # the most rows decoded together with this one (BatchDecode)
+    # with params.logprobs: per token, (its log-probability, [(token id, log-probability)] of the top k)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -68,12 +70,15 @@ class _Stopper:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.text: str | None = None
+        self.logprobs: list | None = [] if params.logprobs is not None else None
 
-    def push(self, tok: int) -> bool:
+    def push(self, tok: int, logprob=None) -> bool:
         if tok in self.eos:
             self.finish_reason = "stop"
             return True
         self.tokens.append(tok)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
         if self.params.stop:
             text = self.target.decode(self.tokens)
             hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
@@ -194,6 +199,8 @@ class Engine:
         target's choices — drafts are accepted while they match it and its next token is committed — so the
         drafter's τ is measured on exactly that text (greedy only; ends where it ends)."""
         params = (params or SamplingParams()).validate()
+        if params.penalized or params.logprobs is not None:
+            raise RequestError("penalties and logprobs are decoded by BatchDecode (generate_batch, dspine serve)")
         if forced is not None:
             if not params.greedy or not forced:
                 raise RequestError("a forced continuation needs greedy decoding and at least one token")
@@ -268,12 +275,6 @@ class Engine:
         )
 
 
-def _finish_open_rows(stops: list, done: list[bool], reason: str) -> None:
-    for i, d in enumerate(done):
-        if not d:
-            stops[i].finish_reason, done[i] = reason, True
-
-
 def generate_batch(
     engine: Engine,
     prompts: list,
@@ -285,42 +286,62 @@ def generate_batch(
     if not prompts:
         return []
     run = BatchDecode(engine, prompts, params, on_tokens)
+    out = dict(run.pop_finished())
     while not run.done:
         run.step()
-    return run.results()
+        out.update(run.pop_finished())
+    return [out[i] for i in range(len(prompts))]
+
+
+def _logprob(raw: torch.Tensor, tok: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """raw logits (V,) -> (log p(tok), the top k as (id, log p)) of the target's own distribution."""
+    lsm = raw.float().log_softmax(-1)
+    top = lsm.topk(k) if k else None
+    return float(lsm[tok]), (list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
 
 
 class BatchDecode:
     """A batch of requests decoded round by round: `step()` runs one round for every row, so a scheduler can
-    interleave several batches (the server lets a new batch start while a long one is still decoding).
+    interleave several batches and move rows in and out between rounds.
 
     Rows advance by different amounts: each row's target KV cache and drafter context keep the positions fed
-    up to the longest acceptance of the round (the rest is cropped), and a validity mask (N, positions) hides
-    what a row did not commit (prompt padding, rejected drafts); positions are passed explicitly (committed
-    tokens so far). A batch of one row thus keeps only what it committed, as Engine.generate does. A row that
-    has finished keeps riding along until all have; its tokens are not recorded. `params` is one
-    SamplingParams or one per row: rows may differ in max_tokens, stop and ignore_eos, not in how tokens are
-    drawn (temperature, top-k, top-p; one generator, seeded from the first row). `on_tokens[i]` sees row i's
-    tokens as they are committed (False aborts that row)."""
+    up to the longest acceptance of the round (the rest is cropped), and one validity mask (N, columns) hides
+    what a row did not commit (prompt padding, rejected drafts, another row's columns); positions are passed
+    explicitly (committed tokens so far). A batch of one row thus keeps only what it committed, as
+    Engine.generate does. Keys carry their positions (RoPE), so a row's columns may sit anywhere: that is what
+    lets rows leave (`pop_finished`: finished rows' results out, their state dropped), join (`merge`: another
+    batch, prefilled apart, padded to the wider of the two with masked columns) and be squeezed (`compact`:
+    every row's committed columns moved to the front, the columns no row needs cut).
+
+    `params` is one SamplingParams or one per row: rows may differ in max_tokens, stop, ignore_eos, penalties
+    and logprobs, not in how tokens are drawn (temperature, top-k, top-p; one generator, seeded from the first
+    row). Penalties apply to the target's logits at every verify position as AR would have applied them after
+    the drafts before it (sampling.penalize), so decoding stays AR's. Logprobs are the target's raw
+    distribution (before temperature, top-k/p and penalties). `on_tokens[i]` sees row i's tokens as they are
+    committed (False aborts that row); `tags[i]` names row i in what pop_finished returns (default: i)."""
 
     @torch.no_grad()
-    def __init__(self, engine: Engine, prompts: list, params=None, on_tokens: list | None = None):
+    def __init__(self, engine: Engine, prompts: list, params=None, on_tokens: list | None = None, tags=None):
         per_row = params if isinstance(params, list) else [params] * len(prompts)
         rows = [(p or SamplingParams()).validate() for p in per_row]
         self.params = params = rows[0]
-        if any((r.temperature, r.top_k, r.top_p) != (params.temperature, params.top_k, params.top_p) for r in rows):
+        if any(self._draw(r) != self._draw(params) for r in rows):
             raise ValueError("rows of one batch must share temperature, top_k and top_p")
         self.engine, self.drafter = engine, engine.drafter
         tgt, dev, drafter = engine.target, engine.target.device, engine.drafter
         ids = [engine.prompt_ids(p) for p in prompts]
         N, self.lens = len(ids), [len(x) for x in ids]
+        self.tags = list(tags) if tags is not None else list(range(N))
+        self.peak = [N] * N
         self.gen = _generator(dev, params.seed)
-        self.t0 = time.perf_counter()
+        self.t0 = [time.perf_counter()] * N
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else None
         self.B = drafter.config.block_size if drafter is not None else 1
         self.W = engine.draft_len + 1  # rows fed to the target per round: the anchor and the drafts
         self.stats = [AcceptanceStats(self.B) if drafter is not None else None for _ in range(N)]
         self.stops = [_Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
+        V = tgt.info.vocab_size
+        self.counts = torch.zeros(N, V, device=dev) if any(r.penalized for r in rows) else None  # output tokens
         L = max(self.lens)
         inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
         self.valid = torch.arange(L, device=dev)[None] < torch.tensor(self.lens, device=dev)[:, None]  # (N, L)
@@ -329,15 +350,34 @@ class BatchDecode:
         logits, feats = tgt.forward(inp, self.cache, self.layer_ids, self.valid.long(), pos)
         self.committed = torch.tensor(self.lens, device=dev)  # tokens each row has in its cache = the anchor's position
         self.anchors = [engine._pick(logits[i, n - 1], params, self.gen) for i, n in enumerate(self.lens)]
-        self.finished = [self.stops[i].push(a) for i, a in enumerate(self.anchors)]
-        self.ctx = self.ctx_valid = None
+        self.finished = [self._push(i, a, logits[i, n - 1]) for i, (a, n) in enumerate(zip(self.anchors, self.lens))]
+        self.ctx = None
         if drafter is not None:
-            self.ctx, self.ctx_valid = DraftContext(drafter), self.valid
+            self.ctx = DraftContext(drafter)
             self.ctx.extend(feats, pos)
+
+    @staticmethod
+    def _draw(p: SamplingParams):
+        return p.temperature, p.top_k, p.top_p
+
+    def __len__(self) -> int:
+        return len(self.tags)
 
     @property
     def done(self) -> bool:
         return all(self.finished)
+
+    @property
+    def width(self) -> int:
+        return self.valid.shape[1]
+
+    def _push(self, i: int, tok: int, raw: torch.Tensor) -> bool:
+        """Commit `tok` to row i; raw (V,): the target's logits it was chosen from."""
+        stop = self.stops[i]
+        lp = _logprob(raw, tok, stop.params.logprobs) if stop.params.logprobs is not None else None
+        if self.counts is not None:
+            self.counts[i, tok] += 1
+        return stop.push(tok, lp)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -345,15 +385,18 @@ class BatchDecode:
         if self.done:
             return
         engine, drafter, tgt = self.engine, self.drafter, self.engine.target
-        dev, N, B, W, params = tgt.device, len(self.lens), self.B, self.W, self.params
-        if int(self.committed.max()) + B > engine.max_positions:
-            _finish_open_rows(self.stops, self.finished, "length")
+        dev, N, B, W, params = tgt.device, len(self), self.B, self.W, self.params
+        edge = (self.committed + B > engine.max_positions).tolist()  # rows at the end of the context
+        for i, e in enumerate(edge):
+            if e and not self.finished[i]:
+                self.stops[i].finish_reason, self.finished[i] = "length", True
+        if self.done:
             return
         pos = self.committed[:, None] + torch.arange(B, device=dev)  # (N, B); B = 1 for AR
         anchor_t = torch.tensor(self.anchors, device=dev)[:, None]
         prop = None
         if drafter is not None:
-            mask = block_attention_mask(self.ctx_valid[:, None], B, drafter.config.is_causal)
+            mask = block_attention_mask(self.valid[:, None], B, drafter.config.is_causal)
             out = drafter(drafter.block_inputs(anchor_t, B), pos[:, None], self.ctx.kv, mask)
             prop = propose(drafter, out, params, self.gen, engine.draft_len)
             feed = torch.cat([anchor_t, prop.tokens], 1)
@@ -362,47 +405,131 @@ class BatchDecode:
         pos = pos[:, :W]
         fed_valid = torch.cat([self.valid, self.valid.new_ones(N, W)], 1).long()
         logits, feats = tgt.forward(feed, self.cache, self.layer_ids, fed_valid, pos)
+        chosen = self._penalized(logits, prop)  # what tokens are chosen from
         if prop is not None:
-            n_acc, nxt = verify(prop, logits, params, self.gen)
+            n_acc, nxt = verify(prop, chosen, params, self.gen)
         else:
             n_acc = torch.zeros(N, dtype=torch.long, device=dev)
-            nxt = torch.tensor([engine._pick(logits[i, -1], params, self.gen) for i in range(N)], device=dev)
+            nxt = torch.tensor([engine._pick(chosen[i, -1], params, self.gen) for i in range(N)], device=dev)
         # keep the anchor + accepted drafts (masked per row); columns no row accepted are cropped away
         m = int(n_acc.max()) + 1
         kept = torch.arange(m, device=dev)[None] <= n_acc[:, None]  # (N, m)
-        tgt.crop_cache(self.cache, self.valid.shape[1] + m)
+        tgt.crop_cache(self.cache, self.width + m)
         self.valid = torch.cat([self.valid, kept], 1)
         if drafter is not None:
             self.ctx.extend(feats[:, :m], pos[:, :m])
-            self.ctx_valid = torch.cat([self.ctx_valid, kept], 1)
         self.committed = self.committed + n_acc + 1
-        for i in range(N):
+        self._commit(n_acc, nxt, prop, logits)
+
+    def _penalized(self, logits: torch.Tensor, prop) -> torch.Tensor:
+        """logits (N, W, V) -> a copy penalized for the rows that ask for it (the same tensor when none do)."""
+        if self.counts is None:
+            return logits
+        chosen = logits.clone()
+        for i, stop in enumerate(self.stops):
+            if stop.params.penalized and not self.finished[i]:
+                drafts = prop.tokens[i] if prop is not None else self.committed.new_empty(0)
+                chosen[i] = penalize(logits[i], self.counts[i], drafts, stop.params)
+        return chosen
+
+    def _commit(self, n_acc: torch.Tensor, nxt: torch.Tensor, prop, logits: torch.Tensor) -> None:
+        """Each open row's accepted drafts and next token through its stopper (logits (N, W, V): raw)."""
+        for i in range(len(self)):
             if self.finished[i]:
                 continue
             n = int(n_acc[i])
             if self.stats[i] is not None:
                 self.stats[i].record(n)
-            for tok in (prop.tokens[i, :n].tolist() if prop is not None else []) + [int(nxt[i])]:
-                if self.stops[i].push(tok):
+            for j, tok in enumerate((prop.tokens[i, :n].tolist() if prop is not None else []) + [int(nxt[i])]):
+                if self._push(i, tok, logits[i, j]):
                     self.finished[i] = True
                     break
             self.anchors[i] = int(nxt[i])
 
+    # ---- rows in and out ---------------------------------------------------------------------------------
+    def _map_rows(self, fn) -> None:
+        """Apply fn to every per-row tensor of the state: target cache and drafter context (N, H, C, hd)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+        if self.ctx is not None:
+            self.ctx.kv = [(fn(k), fn(v)) for k, v in self.ctx.kv]
+
+    def pop_finished(self) -> list[tuple]:
+        """-> [(tag, GenerationResult)] of the rows that have finished; their state leaves the batch."""
+        done = [i for i, f in enumerate(self.finished) if f]
+        if not done:
+            return []
+        out = [(self.tags[i], self._result(i)) for i in done]
+        keep = [i for i, f in enumerate(self.finished) if not f]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.valid.device)
+        for name in ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        self.valid, self.committed = self.valid[idx], self.committed[idx]
+        if self.counts is not None:
+            self.counts = self.counts[idx]
+        self._map_rows(lambda t: t[idx])
+        if keep:
+            self.compact()
+        return out
+
+    def compact(self, slack: float = 1.25) -> None:
+        """Move every row's committed columns to the front and cut the rest, once the cache is wider than
+        `slack` × its fullest row (+ 16)."""
+        need = int(self.valid.sum(1).max())
+        if self.width <= slack * need + 16:
+            return
+        order = (~self.valid).to(torch.int8).argsort(dim=1, stable=True)[:, :need]  # (N, need): valid first
+        self.valid = self.valid.gather(1, order)
+        self._map_rows(lambda t: t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], need, t.shape[3])))
+
+    def can_merge(self, other: BatchDecode) -> bool:
+        return other.engine is self.engine and self._draw(other.params) == self._draw(self.params)
+
+    def merge(self, other: BatchDecode) -> None:
+        """Take other's rows into this batch (same engine, same way of drawing tokens; other is consumed). The
+        narrower cache is padded with masked columns; this batch's generator keeps drawing for all rows."""
+        if not self.can_merge(other):
+            raise ValueError("only batches of one engine that draw tokens alike can merge")
+        C = max(self.width, other.width)
+        for b in (self, other):
+            pad = C - b.width
+            if pad:
+                b.valid = torch.cat([b.valid, b.valid.new_zeros(len(b), pad)], 1)
+                b._map_rows(lambda t, pad=pad: torch.nn.functional.pad(t, (0, 0, 0, pad)))
+        layers = [(x, y) for x, y in zip(self.cache.layers, other.cache.layers) if x.keys.numel()]
+        for x, y in layers:
+            x.keys, x.values = torch.cat([x.keys, y.keys]), torch.cat([x.values, y.values])
+        if self.ctx is not None:
+            self.ctx.kv = [
+                (torch.cat([k0, k1]), torch.cat([v0, v1])) for (k0, v0), (k1, v1) in zip(self.ctx.kv, other.ctx.kv)
+            ]
+        if self.counts is not None or other.counts is not None:
+            V = self.engine.target.info.vocab_size
+            z = lambda b: b.counts if b.counts is not None else torch.zeros(len(b), V, device=b.valid.device)
+            self.counts = torch.cat([z(self), z(other)])
+        self.valid, self.committed = torch.cat([self.valid, other.valid]), torch.cat([self.committed, other.committed])
+        for name in ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.peak = [max(p, len(self)) for p in self.peak]
+
+    def _result(self, i: int) -> GenerationResult:
+        s = self.stops[i]
+        return GenerationResult(
+            token_ids=s.tokens,
+            text=s.result_text(),
+            finish_reason=s.finish_reason or "length",
+            prompt_tokens=self.lens[i],
+            method=self.engine.method,
+            stats=self.stats[i],
+            seconds=time.perf_counter() - self.t0[i],
+            batch_size=self.peak[i],
+            logprobs=s.logprobs,
+        )
+
     def results(self) -> list[GenerationResult]:
-        secs = time.perf_counter() - self.t0
-        return [
-            GenerationResult(
-                token_ids=s.tokens,
-                text=s.result_text(),
-                finish_reason=s.finish_reason or "length",
-                prompt_tokens=n,
-                method=self.engine.method,
-                stats=st,
-                seconds=secs,
-                batch_size=len(self.lens),
-            )
-            for s, n, st in zip(self.stops, self.lens, self.stats)
-        ]
+        """Every row still in the batch, in order."""
+        return [self._result(i) for i in range(len(self))]
 
 
 @torch.no_grad()

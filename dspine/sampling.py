@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_TOP_LOGPROBS = 20
+
 
 class RequestError(ValueError):
     """A request the engine refuses (bad prompt, bad sampling parameters)."""
@@ -21,6 +23,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once it appears in the output
+    frequency_penalty: float = 0.0  # ... times the number of times it appears in the output
+    logprobs: int | None = None  # None: off; k >= 0: each output token's log-probability and the top k
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     def validate(self) -> SamplingParams:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -33,6 +42,11 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0, got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         return self
 
     @property
@@ -55,6 +69,17 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, drafts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """OpenAI's presence/frequency penalties at every row of a verify block: logits (W, V) at [anchor, drafts],
+    counts (V,) of the output so far, drafts (W-1,) -> logits (W, V) where row j is penalized by the output
+    followed by drafts[:j] — what AR decoding would have penalized had it produced those drafts."""
+    W, V = logits.shape
+    c = counts.expand(W, V).clone()
+    if W > 1:
+        c[1:] += torch.nn.functional.one_hot(drafts, V).to(c.dtype).cumsum(0)
+    return logits - params.frequency_penalty * c - params.presence_penalty * (c > 0).to(c.dtype)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -164,3 +164,95 @@ def test_shorter_draft_len_stays_lossless(tiny, method):
         ]
     with pytest.raises(ValueError, match="draft_len must be in \\[1, 7\\]"):
         Engine(target, drafter, draft_len=8)
+
+
+@pytest.mark.parametrize("method", ["ar", "dspine"])
+def test_rows_join_leave_and_compact_between_rounds_and_stay_ar(tiny, method):
+    """Continuous batching: a batch prefilled later joins a running one (another width), rows leave as they
+    finish (different max_tokens), every row's columns are squeezed to the front mid-decode — and each row
+    still gives its single-request AR output."""
+    from dspine.engine import BatchDecode
+
+    target, pairs = tiny
+    ar = Engine(target)
+    eng = Engine(target, _trained(target, pairs, method) if method != "ar" else None)
+    prompts = [ids[: start - k] for k, (ids, start) in enumerate(pairs[:4])]
+    lengths = [40, 9, 25, 17]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    run = BatchDecode(eng, prompts[:2], params[:2], tags=["a", "b"])
+    got = dict(run.pop_finished())
+    for _ in range(3):
+        run.step()
+        got.update(run.pop_finished())
+    late = BatchDecode(eng, prompts[2:], params[2:], tags=["c", "d"])
+    assert late.width != run.width
+    before = len(run)
+    run.merge(late)
+    assert before >= 1 and len(run) == before + 2
+    rounds = 0
+    while not run.done:
+        run.step()
+        got.update(run.pop_finished())
+        rounds += 1
+        if rounds == 2 and len(run):
+            run.compact(slack=0.0)
+            assert run.width == int(run.valid.sum(1).max())
+    assert sorted(got) == ["a", "b", "c", "d"]
+    for tag, p, sp in zip("abcd", prompts, params):
+        assert got[tag].token_ids == ar.generate(p, sp).token_ids, tag
+    assert got["c"].batch_size == before + 2  # decoded beside the rows it joined
+
+
+def _penalized_reference(target, prompt, params):
+    """AR with OpenAI's penalties written out: full forward each step, logits minus the output's counts."""
+    ids, out = list(prompt), []
+    for _ in range(params.max_tokens):
+        logits, _ = target.forward(torch.tensor([ids]))
+        c = torch.zeros(target.info.vocab_size)
+        for t in out:
+            c[t] += 1
+        z = logits[0, -1] - params.frequency_penalty * c - params.presence_penalty * (c > 0).float()
+        out.append(int(z.argmax()))
+        ids.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspine"])
+def test_penalties_keep_speculative_decoding_lossless(tiny, method):
+    """presence/frequency penalties: the speculative batch equals AR with the same penalties, which equals the
+    penalties written out by hand — and they change the output."""
+    from dspine.engine import generate_batch
+
+    target, pairs = tiny
+    drafter = _trained(target, pairs, method)
+    prompts = [ids[:start] for ids, start in pairs[:3]]
+    pen = SamplingParams(max_tokens=30, ignore_eos=True, presence_penalty=0.6, frequency_penalty=0.9)
+    plain = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = [_penalized_reference(target, p, pen) for p in prompts]
+    assert [g.token_ids for g in generate_batch(Engine(target), prompts, pen)] == want
+    spec = generate_batch(Engine(target, drafter), prompts, [pen, plain, pen])
+    assert [spec[0].token_ids, spec[2].token_ids] == [want[0], want[2]]
+    assert spec[1].token_ids == Engine(target).generate(prompts[1], plain).token_ids  # a plain row beside them
+    assert want != [Engine(target).generate(p, plain).token_ids for p in prompts]
+
+
+def test_logprobs_are_the_targets_own_distribution(tiny):
+    """logprobs with a drafter: each committed token's log-probability and the top k, equal to a full forward
+    of the prompt and output."""
+    from dspine.engine import generate_batch
+
+    target, pairs = tiny
+    eng = Engine(target, _trained(target, pairs, "dspine"))
+    prompts = [ids[:start] for ids, start in pairs[:2]]
+    got = generate_batch(eng, prompts, SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3))
+    for p, g in zip(prompts, got):
+        assert len(g.logprobs) == len(g.token_ids) == 20
+        logits, _ = target.forward(torch.tensor([p + g.token_ids]))
+        lsm = logits[0, len(p) - 1 : -1].log_softmax(-1)
+        for j, (tok, (lp, top)) in enumerate(zip(g.token_ids, g.logprobs)):
+            assert abs(lp - float(lsm[j, tok])) < 1e-4
+            ref = lsm[j].topk(3)
+            assert [t for t, _ in top] == ref.indices.tolist()
+            assert max(abs(v - float(r)) for (_, v), r in zip(top, ref.values)) < 1e-4
+    with pytest.raises(Exception, match="logprobs must be in"):
+        generate_batch(eng, prompts, SamplingParams(logprobs=21))
