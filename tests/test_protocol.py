@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dspine.engine import Engine
+from dspine.engine import Engine, GenerationResult
 from dspine.sampling import SamplingParams
 from dspine.serve.protocol import (
     RequestInvalid,
@@ -116,11 +116,12 @@ def test_service_reply_of_malformed_or_good_tool_output(tiny):
     ):
         rec = RequestRecord(request_id=req.id, model="m", prompt_tokens=2, completion_tokens=9, text=text,
                             finish_reason="length")  # fmt: skip
-        choice = service.response(req, rec, chat=True)["choices"][0]
+        res = GenerationResult(token_ids=[5] * 9, text=text, finish_reason="length", prompt_tokens=2, method="ar")
+        choice = service.response(req, rec, [res], chat=True)["choices"][0]
         assert len(choice["message"].get("tool_calls", [])) == want_calls
         assert choice["finish_reason"] == ("tool_calls" if want_calls else "length")
         assert choice["message"]["content"] == (None if want_calls else text)
-        events = [json.loads(e[6:]) for e in Stream(service, req, True).finish(rec) if e != "data: [DONE]\n\n"]
+        events = [json.loads(e[6:]) for e in Stream(service, req, True).finish(res, rec) if e != "data: [DONE]\n\n"]
         streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
         deltas = [t for e in events for t in e["choices"][0]["delta"].get("tool_calls", [])]
         assert streamed == ("" if want_calls else text) and len(deltas) == want_calls

@@ -84,17 +84,37 @@ class DSpineLogger(CustomLogger):
         return data
 
     async def _backend_record(self, api_base: str | None, rid: str | None) -> dict | None:
+        """The backend's record of request `rid`. A dspine backend that has not finished it yet (a stream the
+        client abandoned ends at the backend's next round) answers 404 "no finished request": asked again
+        until fetch_timeout_s; any other answer (an SGLang backend has no such route) is final."""
         if not api_base or not rid:
             return None
         import httpx
 
         url = api_base.rstrip("/") + f"/dspine/requests/{rid}"
+        deadline = asyncio.get_running_loop().time() + self.fetch_timeout_s
         try:
             async with httpx.AsyncClient(timeout=self.fetch_timeout_s) as c:
-                r = await c.get(url)
-            return r.json() if r.status_code == 200 else None
+                while True:
+                    r = await c.get(url)
+                    if r.status_code == 200:
+                        return r.json()
+                    pending = r.status_code == 404 and "no finished request" in r.text
+                    if not pending or asyncio.get_running_loop().time() > deadline:
+                        return None
+                    await asyncio.sleep(0.25)
         except (httpx.HTTPError, ValueError):
             return None
+
+    async def async_post_call_failure_hook(self, request_data, original_exception, user_api_key_dict,
+                                           traceback_str=None):  # fmt: skip
+        """A backend that cannot be reached answers 503 (LiteLLM says 500), naming the model."""
+        if _unreachable(original_exception):
+            from fastapi import HTTPException
+
+            model = request_data.get("model")
+            return HTTPException(503, f"the backend of model {model!r} cannot be reached; retry later")
+        return None
 
     async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
         lp = kwargs.get("litellm_params") or {}
@@ -120,8 +140,9 @@ class DSpineLogger(CustomLogger):
             workload=str(user_md.get("workload") or b.get("workload") or "default"),
             thinking=str(b.get("thinking") or opt.get("reasoning_effort") or user_md.get("thinking") or "none"),
             stream=bool(kwargs.get("stream") or opt.get("stream")),
-            prompt_tokens=getattr(usage, "prompt_tokens", None),
-            completion_tokens=getattr(usage, "completion_tokens", None),
+            # the backend's own counts where it has them (LiteLLM estimates a stream the client abandoned)
+            prompt_tokens=b.get("prompt_tokens", getattr(usage, "prompt_tokens", None)),
+            completion_tokens=b.get("completion_tokens", getattr(usage, "completion_tokens", None)),
             accept_hist=hist,
             latency_s=(end_time - start_time).total_seconds(),
             source=source,
@@ -145,6 +166,21 @@ class DSpineLogger(CustomLogger):
         self.metrics.observe(rec)
         if hist is None and (rec.drafter is not None or backend is None):
             self.metrics.lost.labels(model=rec.model).inc()
+
+
+def _unreachable(e: BaseException) -> bool:
+    """Whether an exception (or one it was raised from) is a failed connection to the backend."""
+    import httpx
+    import openai
+
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout, openai.APIConnectionError)) and not isinstance(
+            e, openai.APITimeoutError
+        ):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 async def auth(request, api_key: str):

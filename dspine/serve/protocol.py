@@ -3,9 +3,10 @@
 Requests: chat messages with string content or lists of text parts, assistant messages whose content is null
 and that carry `tool_calls`, `tool` messages with a `tool_call_id`, `tools` and `tool_choice` (none / auto /
 required / a named function); unknown fields are ignored, as OpenAI-compatible servers do, but every known
-field is checked and a wrong one is named in the 400. Known fields the engine does not implement yet (`n` > 1,
-`logprobs`, penalties, `logit_bias`, `response_format` other than text, legacy `functions`) are refused by name
-rather than silently ignored.
+field is checked and a wrong one is named in the 400. `n` (choices, decoded side by side), `logprobs` /
+`top_logprobs` (the target's own distribution) and presence/frequency penalties are honoured; known fields
+the engine does not implement (`logit_bias`, `response_format` other than text, legacy `functions`, completions'
+`echo` / `best_of` / `suffix`) are refused by name rather than silently ignored.
 
 Tools reach the target through its chat template when the template has a tools section (`tools=` is passed
 to it); otherwise they go into a system block (`tools_system_block`) in the Hermes/Qwen layout:
@@ -30,9 +31,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from dspine.target import tools_system_text
-
 EFFORTS = ("none", "low", "medium", "high", "xhigh")
+MAX_N = 16  # choices per request
 
 
 def _not_text(v):
@@ -134,16 +134,14 @@ class _Request(_Model):
     return_token_ids: Bool = False  # vLLM's field: prompt_token_ids (top level) and token_ids (per choice)
     user: str | None = None
     stream_options: dict[str, Any] | None = None  # usage always comes in the last chunk
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
+    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
 
 
-# Known OpenAI fields the engine does not implement yet: refused by name unless given a value that means "off"
+# Known OpenAI fields the engine does not implement: refused by name unless given a value that means "off"
 # (field -> that test), rather than silently ignored.
 UNSUPPORTED = {
-    "n": lambda v: v == 1,
-    "logprobs": lambda v: v is False,
-    "top_logprobs": lambda v: v == 0,
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
     "logit_bias": lambda v: v == {},
     "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
     "functions": lambda v: False,  # the legacy form of tools
@@ -159,9 +157,13 @@ class ChatRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
 
     @model_validator(mode="after")
     def _choice_names_a_tool(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if self.tool_choice.function.name not in names:
@@ -172,9 +174,16 @@ class ChatRequest(_Request):
         """The tools the model is offered (none with tool_choice "none")."""
         return [] if self.tool_choice == "none" else list(self.tools or [])
 
+    def top_k_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Request):
     prompt: Annotated[str, Field(min_length=1)]
+    logprobs: Annotated[Int, Field(ge=0, le=5)] | None = None  # the legacy form: how many top tokens
+
+    def top_k_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # ---- responses (built with every field given and dumped with exclude_unset: absent stays absent, null stays null)
@@ -194,6 +203,7 @@ class ChatChoice(_Model):
     index: int
     message: AssistantMessage
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
     token_ids: list[int] | None = None
 
 
@@ -201,6 +211,7 @@ class TextChoice(_Model):
     index: int
     text: str
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
     token_ids: list[int] | None = None
 
 
@@ -214,6 +225,7 @@ class DeltaChoice(_Model):
     index: int
     delta: Delta
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
     token_ids: list[int] | None = None  # on the last chunk, with return_token_ids
 
 
@@ -239,6 +251,30 @@ class RequestInvalid(ValueError):
     def __init__(self, message: str, param: str | None):
         super().__init__(message)
         self.param = param
+
+
+def read_json(raw: bytes) -> Any:
+    """A request body -> its JSON value, or RequestInvalid naming what is wrong with it."""
+    try:
+        body = json.loads(raw or b"null")
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate (\\ud800) cannot be encoded
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestInvalid(f"the request body is not valid JSON: {e}", None) from None
+    except RecursionError:
+        raise RequestInvalid("the request body is nested too deeply", None) from None
+    except UnicodeEncodeError:
+        raise RequestInvalid("the request body holds invalid Unicode (a lone surrogate)", None) from None
+    return body
+
+
+ERROR_TYPES = {401: "auth_error", 404: "not_found_error", 405: "method_not_allowed", 413: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """A refusal in OpenAI's error shape (the server's and the proxy's)."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}  # fmt: skip
 
 
 def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
@@ -268,12 +304,32 @@ def _short(v) -> bool:
     return isinstance(v, (int, float, str, bool)) and len(repr(v)) <= 80
 
 
+# ---- logprobs out ------------------------------------------------------------------------------------------
+def logprobs_doc(entries: list, decode, chat: bool) -> dict:
+    """engine logprobs ([(logprob, [(id, logprob)])] per token, with the token ids) -> OpenAI's shape: chat
+    {"content": [{token, logprob, bytes, top_logprobs}]}; completions {tokens, token_logprobs, top_logprobs,
+    text_offset}. `entries`: [(token id, (logprob, top))]; `decode`: id -> text."""
+    if chat:
+        item = lambda t, lp: {"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
+        return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, (lp, top) in entries]}
+    tokens = [decode(t) for t, _ in entries]
+    offsets = [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, (lp, _) in entries],
+        "top_logprobs": [{decode(i): v for i, v in top} for _, (_, top) in entries],
+        "text_offset": offsets,
+    }
+
+
 # ---- tools into the prompt ---------------------------------------------------------------------------------
 def template_has_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
 def tools_system_block(tools: list[Tool], tool_choice) -> str:
+    from dspine.target import tools_system_text  # torch: not imported where only requests are checked (the proxy)
+
     text = tools_system_text([t.model_dump(exclude_none=True) for t in tools])
     if tool_choice == "required":
         text += "\n\nCall at least one function."

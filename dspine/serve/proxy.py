@@ -2,7 +2,9 @@
 
 Writes a LiteLLM config (one model entry per backend, OpenAI-compatible `openai/<served name>` at the
 backend's /v1), a callbacks module next to it that LiteLLM imports (litellm_hooks: the acceptance
-logger and the key check), and starts `litellm` bound to 127.0.0.1. The master key is required and only
+logger, the key check, 503 for a backend that cannot be reached) and starts LiteLLM's proxy CLI bound to
+127.0.0.1 with dspine's request gate in front of its app (serve.litellm_main, serve.gate: malformed requests get
+the server's own 4xx before LiteLLM runs). The master key is required and only
 ever read from the environment (never written to disk); LiteLLM's model cost map is read locally
 (`LITELLM_LOCAL_MODEL_COST_MAP=True`: no network at start).
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -112,6 +113,7 @@ def proxy_env(cfg: ProxyConfig, key: str) -> dict:
             KEY_ENV: key,
             "DSPINE_PROXY_DB": str(Path(cfg.db).resolve()),
             "DSPINE_PROXY_METRICS_PORT": str(cfg.metrics_port),
+            "DSPINE_PROXY_MODELS": ",".join(b.name for b in cfg.backends),
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "LITELLM_TELEMETRY": "False",
             "PYTHONPATH": os.pathsep.join(
@@ -153,9 +155,17 @@ def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None) -> subproces
     if cfg.metrics_port:
         check_port_free("127.0.0.1", cfg.metrics_port, "metrics port")
     path = write_proxy_files(cfg)
-    exe = shutil.which("litellm")
-    cmd = [exe] if exe else [sys.executable, "-m", "litellm.proxy.proxy_cli"]
-    cmd += ["--config", str(path.resolve()), "--host", cfg.host, "--port", str(cfg.port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dspine.serve.litellm_main",
+        "--config",
+        str(path.resolve()),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+    ]
     if sys.platform.startswith("linux"):
         cmd = [sys.executable, "-c", _WITH_PARENT, str(os.getpid()), *cmd]
     proc = subprocess.Popen(cmd, env=env, cwd=cfg.workdir, stdout=log or subprocess.DEVNULL,

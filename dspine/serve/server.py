@@ -8,8 +8,9 @@ Per-request acceptance comes back like SGLang 0.5.23: `sglext.spec_tokens_detail
 `return_spec_tokens_details`, `meta_info` when it sets `return_meta_info` (fields from stats.AcceptanceStats).
 `reasoning_effort` (none/low/medium/high/xhigh) is mapped onto the target (Qwen3: `enable_thinking`; others: a
 system instruction with a reasoning-token budget) and echoed in the record. One decoding thread (`Batcher`)
-schedules at round boundaries: requests waiting for it decode together (up to --max-batch), and batches take turns, so
-a late short request does not wait for a long one; a client that disconnects aborts its own row at its next round.
+schedules at round boundaries (continuous batching): requests join a running batch between rounds and leave it as
+they finish, so a late short request never waits for a long one; a client that disconnects aborts its own row at
+its next round. `n` choices decode side by side and are recorded as one request (tokens and acceptance summed).
 """
 
 import asyncio
@@ -21,7 +22,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dspine.engine import BatchDecode, Engine
 from dspine.process import free_port, wait_http
@@ -37,12 +38,15 @@ from dspine.serve.protocol import (
     RequestInvalid,
     TextChoice,
     Usage,
+    error_body,
+    logprobs_doc,
     parse_request,
     parse_tool_calls,
     streamable_prefix,
     template_has_tools,
     template_messages,
 )
+from dspine.serve.protocol import read_json as protocol_read_json
 from dspine.serve.records import RequestRecord
 
 REASONING_BUDGET = {"low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
@@ -95,6 +99,7 @@ class Parsed:
     meta_info: bool
     token_ids: bool
     tool_names: set[str] | None  # the offered functions; None: no tools, the reply is plain content
+    n: int = 1  # choices
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
 
@@ -118,14 +123,16 @@ class ServerMetrics:
 
 
 class Batcher:
-    """One decoding thread for the engine, scheduling at round boundaries. Requests waiting when it looks are
-    grouped into a batch (engine.BatchDecode: one forward per round for its rows) when they draw tokens alike
-    (same temperature / top-k / top-p) and are greedy or unseeded; a seeded sampled request is a batch of its
-    own, so its seed reproduces its output. Batches run one round each in turn, and a request that arrives
-    while others decode starts its own batch at the next round boundary: a long request never holds a short
-    one back until it ends. A row whose client went away (on_token -> False) stops at its next round.
-    `use` swaps the engine (another drafter): batches already running finish on the engine they started with;
-    each result names the drafter that decoded it (`result.drafter`)."""
+    """One decoding thread for the engine, scheduling at round boundaries (continuous batching). Requests that
+    arrive are prefilled as a batch of their own (engine.BatchDecode), then join a running batch that draws
+    tokens alike (same temperature / top-k / top-p, greedy or unseeded; a seeded sampled request keeps its own
+    batch so its seed reproduces its output) when the rows fit (≤ max_batch) and the two caches are of a
+    like width (a short row beside a long one would pay for the long one's attention); otherwise it runs
+    beside them, and batches take one round each in turn. A row leaves its batch the round it finishes, its
+    result handed back at once; batches that shrink merge again. A row whose client went away (on_token ->
+    False) stops at its next round. `use` swaps the engine (another drafter): rows already decoding finish on
+    the engine they started with (batches of different engines never merge); each result names the drafter
+    that decoded it (`result.drafter`)."""
 
     def __init__(self, engine: Engine, max_batch: int, label: str | None = None):
         self.engine, self.max_batch, self.label = engine, max(1, max_batch), label
@@ -135,12 +142,16 @@ class Batcher:
         self.thread = threading.Thread(target=self._loop, daemon=True, name="dspine-batcher")
         self.thread.start()
 
-    def submit(self, ids: list[int], params, on_token=None):
-        """Blocks until the request is decoded -> GenerationResult (raises what decoding raised)."""
-        self.engine.prompt_ids(ids)  # a bad prompt fails alone, before it joins a batch
-        fut: Future = Future()
-        self.jobs.put((ids, params, on_token or (lambda tok: True), fut))
-        return fut.result()
+    def submit(self, rows: list[tuple]) -> list:
+        """rows: [(prompt ids, SamplingParams, on_token)]; blocks until all are decoded -> [GenerationResult]
+        (raises what decoding raised)."""
+        for ids, _, _ in rows:
+            self.engine.prompt_ids(ids)  # a bad prompt fails alone, before it joins a batch
+        futs = []
+        for ids, params, on_token in rows:
+            futs.append(Future())
+            self.jobs.put((ids, params, on_token or (lambda tok: True), futs[-1]))
+        return [f.result() for f in futs]
 
     def use(self, engine: Engine, label: str | None) -> None:
         self.engine, self.label = engine, label  # read together by the loop at the next batch start
@@ -175,41 +186,67 @@ class Batcher:
                 return jobs
 
     def _start(self, group: list):
-        engine, label = self.engine, self.label
         try:
-            run = BatchDecode(engine, [j[0] for j in group], [j[1] for j in group], [j[2] for j in group])
-            run.label = label
+            run = BatchDecode(self.engine, [j[0] for j in group], [j[1] for j in group], [j[2] for j in group], group)
+            run.label = self.label
             return run
         except Exception as e:
             for job in group:
                 job[3].set_exception(e)
             return None
 
+    def _fits(self, a: BatchDecode, b: BatchDecode) -> bool:
+        return (
+            a.can_merge(b)
+            and self._key(a.params) is not None
+            and len(a) + len(b) <= self.max_batch
+            and max(a.width, b.width) <= 2 * min(a.width, b.width) + 256
+        )
+
+    @staticmethod
+    def _settle(run: BatchDecode) -> None:
+        for job, res in run.pop_finished():
+            res.drafter = run.label
+            job[3].set_result(res)
+
+    def _place(self, running: list, run: BatchDecode) -> None:
+        """A batch with rows left joins the first running batch it fits, or runs beside them."""
+        if not len(run):
+            return
+        host = next((r for r in running if r is not run and self._fits(r, run)), None)
+        if host is None:
+            if run not in running:
+                running.append(run)
+            return
+        host.merge(run)
+        if run in running:
+            running.remove(run)
+
     def _loop(self):
-        running: list[tuple] = []  # (BatchDecode, its jobs)
+        running: list[BatchDecode] = []
         while True:
             self.decoding = bool(running)
             self.last_progress = time.monotonic()
             for group in self._groups(self._take(block=not running)):
                 run = self._start(group)
                 if run is not None:
-                    running.append((run, group))
+                    self._settle(run)  # rows that end at their first token
+                    self._place(running, run)
             self.decoding = True
-            for item in list(running):
-                run, group = item
+            for run in list(running):
                 try:
                     run.step()
+                    self._settle(run)
                 except Exception as e:
-                    for job in group:
+                    for job in run.tags:
                         job[3].set_exception(e)
-                    running.remove(item)
+                    running.remove(run)
                     continue
                 self.last_progress = time.monotonic()
-                if run.done:
-                    for job, res in zip(group, run.results()):
-                        res.drafter = run.label
-                        job[3].set_result(res)
-                    running.remove(item)
+                if not len(run):
+                    running.remove(run)
+                elif len(run) < self.max_batch:
+                    self._place(running, run)
 
 
 class Service:
@@ -276,6 +313,9 @@ class Service:
             top_k=req.top_k or 0,
             stop=stop,
             seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logprobs=req.top_k_logprobs(),
         )
         meta = req.metadata or {}
         return Parsed(
@@ -288,6 +328,7 @@ class Service:
             meta_info=req.return_meta_info,
             token_ids=req.return_token_ids,
             tool_names={t.function.name for t in tools} if tools else None,
+            n=req.n,
         )
 
     def _chat_ids(self, req: ChatRequest, effort: str) -> list[int]:
@@ -358,23 +399,33 @@ class Service:
         return {"previous": previous, "current": current}
 
     # ---- generation ------------------------------------------------------------------------------------
-    def run(self, req: Parsed, on_token=None, gone: threading.Event | None = None) -> RequestRecord:
-        """Decode one request -> its record. It aborts at its next token once `gone` is set (the client left)
-        or the shutdown grace period is over; `on_token` returning False aborts it too."""
+    def run(self, req: Parsed, on_token=None, gone: threading.Event | None = None) -> tuple[RequestRecord, list]:
+        """Decode one request's `n` choices -> (its record, one GenerationResult per choice). A choice aborts at
+        its next token once `gone` is set (the client left) or the shutdown grace period is over;
+        `on_token(choice, token)` returning False aborts that choice too. Choice i of a seeded request draws
+        from seed + i."""
         t0 = time.time()
 
-        def cb(tok):
-            if self.abort_all.is_set() or (gone is not None and gone.is_set()):
-                return False
-            return on_token(tok) if on_token is not None else True
+        def cb(i):
+            def f(tok):
+                if self.abort_all.is_set() or (gone is not None and gone.is_set()):
+                    return False
+                return on_token(i, tok) if on_token is not None else True
 
+            return f
+
+        seeds = [req.params.seed + i if req.params.seed is not None else None for i in range(req.n)]
+        rows = [(req.ids, replace(req.params, seed=seeds[i]), cb(i)) for i in range(req.n)]
         self.metrics.inflight.inc()
         try:
-            res = self.batcher.submit(req.ids, req.params, cb)
+            results = self.batcher.submit(rows)
         except RequestError as e:
             raise BadRequest(str(e)) from None
         finally:
             self.metrics.inflight.dec()
+        res = results[0]
+        stats = [r.stats for r in results if r.stats is not None]
+        hist = [sum(col) for col in zip(*(s.accept_hist for s in stats))] if stats else None
         rec = RequestRecord(
             request_id=req.id,
             model=self.cfg.model_name,
@@ -384,13 +435,13 @@ class Service:
             thinking=req.effort,
             stream=req.stream,
             prompt_tokens=res.prompt_tokens,
-            completion_tokens=res.completion_tokens,
+            completion_tokens=sum(r.completion_tokens for r in results),
             finish_reason=res.finish_reason,
             latency_s=time.time() - t0,
             ts=t0,
-            accept_hist=list(res.stats.accept_hist) if res.stats is not None else None,
-            source="engine" if res.stats is not None else None,
-            batch_size=res.batch_size,
+            accept_hist=hist,
+            source="engine" if hist is not None else None,
+            batch_size=max(r.batch_size for r in results),
             text=res.text,
             prompt_token_ids=list(req.ids) if req.token_ids else None,
             completion_token_ids=list(res.token_ids) if req.token_ids else None,
@@ -399,7 +450,7 @@ class Service:
         while len(self.records) > self.cfg.max_records:
             self.records.popitem(last=False)
         self.metrics.acceptance.observe(rec)
-        return rec
+        return rec, results
 
     def extras(self, req: Parsed, rec: RequestRecord) -> dict:
         out = {}
@@ -418,9 +469,13 @@ class Service:
             out["prompt_token_ids"] = rec.prompt_token_ids
         return out
 
-    @staticmethod
-    def choice_ids(req: Parsed, rec: RequestRecord) -> dict:
-        return {"token_ids": rec.completion_token_ids} if req.token_ids else {}
+    def choice_extras(self, req: Parsed, res, chat: bool) -> dict:
+        """A choice's token ids (return_token_ids) and logprobs (when asked), from its GenerationResult."""
+        out = {"token_ids": list(res.token_ids)} if req.token_ids else {}
+        if res.logprobs is not None:
+            decode = lambda t: self.engine.target.decode([t])
+            out["logprobs"] = logprobs_doc(list(zip(res.token_ids, res.logprobs)), decode, chat)
+        return out
 
     def reply(self, req: Parsed, text: str, finish_reason: str) -> tuple[str | None, list[dict], str]:
         """(content, tool_calls, finish_reason) of a finished generation."""
@@ -429,15 +484,20 @@ class Service:
         content, calls = parse_tool_calls(text, req.tool_names)
         return (content, calls, "tool_calls") if calls else (text, [], finish_reason)
 
-    def response(self, req: Parsed, rec: RequestRecord, chat: bool) -> dict:
-        if chat:
-            content, calls, finish = self.reply(req, rec.text, rec.finish_reason)
-            message = AssistantMessage(role="assistant", content=content, **({"tool_calls": calls} if calls else {}))
-            choice = ChatChoice(index=0, message=message, finish_reason=finish, **self.choice_ids(req, rec))
-        else:
-            choice = TextChoice(index=0, text=rec.text, finish_reason=rec.finish_reason, **self.choice_ids(req, rec))
+    def response(self, req: Parsed, rec: RequestRecord, results: list, chat: bool) -> dict:
+        choices = []
+        for i, res in enumerate(results):
+            extra = self.choice_extras(req, res, chat)
+            if chat:
+                content, calls, finish = self.reply(req, res.text, res.finish_reason)
+                message = AssistantMessage(
+                    role="assistant", content=content, **({"tool_calls": calls} if calls else {})
+                )
+                choices.append(ChatChoice(index=i, message=message, finish_reason=finish, **extra))
+            else:
+                choices.append(TextChoice(index=i, text=res.text, finish_reason=res.finish_reason, **extra))
         return Completion(id=rec.request_id, object="chat.completion" if chat else "text_completion",
-                          created=int(rec.ts), model=rec.model, choices=[choice], usage=usage(rec),
+                          created=int(rec.ts), model=rec.model, choices=choices, usage=usage(rec),
                           **self.extras(req, rec)).dump()  # fmt: skip
 
 
@@ -447,12 +507,13 @@ def usage(rec: RequestRecord) -> Usage:
 
 
 class Stream:
-    """One streamed request: tokens arrive from the decoding thread, text goes out as SSE chunks. Text that
+    """One streamed choice: tokens arrive from the decoding thread, text goes out as SSE chunks. Text that
     could still become a stop string is held back; with tools offered, text that could be a tool call is too,
-    and the calls go out as `tool_calls` deltas once the reply is complete."""
+    and the calls go out as `tool_calls` deltas once the reply is complete. The choice's logprobs ride on its
+    last chunk."""
 
-    def __init__(self, service: Service, req: Parsed, chat: bool):
-        self.service, self.req, self.chat = service, req, chat
+    def __init__(self, service: Service, req: Parsed, chat: bool, index: int = 0):
+        self.service, self.req, self.chat, self.index = service, req, chat, index
         self.hold = max((len(s) for s in req.params.stop), default=1) - 1
         self.tokens: list[int] = []
         self.sent = ""
@@ -460,10 +521,11 @@ class Stream:
 
     def chunk(self, delta: dict | None = None, text: str | None = None, finish=None, usage=None, extra=None,
               ids: dict | None = None) -> str:  # fmt: skip
+        i = self.index
         if self.chat:
-            choice = DeltaChoice(index=0, delta=Delta(**(delta or {})), finish_reason=finish, **(ids or {}))
+            choice = DeltaChoice(index=i, delta=Delta(**(delta or {})), finish_reason=finish, **(ids or {}))
         else:
-            choice = TextChoice(index=0, text=text or "", finish_reason=finish, **(ids or {}))
+            choice = TextChoice(index=i, text=text or "", finish_reason=finish, **(ids or {}))
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         done = {"usage": usage} if usage is not None else {}
         doc = Completion(id=self.req.id, object=obj, created=self.created, model=self.service.cfg.model_name,
@@ -486,35 +548,39 @@ class Stream:
         out, self.sent = safe[len(self.sent) :], safe
         return self.content(out)
 
-    def finish(self, rec: RequestRecord) -> list[str]:
+    def finish(self, res, rec: RequestRecord | None) -> list[str]:
+        """The choice's last chunks; with the request's record (the last choice), usage and extras ride along."""
         # completions never carry tools, so their text comes back whole
-        content, calls, finish = self.service.reply(self.req, rec.text, rec.finish_reason)
+        content, calls, finish = self.service.reply(self.req, res.text, res.finish_reason)
         out = []
         rest = content or ""
         if len(rest) > len(self.sent) and rest.startswith(self.sent):
             out.append(self.content(rest[len(self.sent) :]))
         for i, c in enumerate(calls):
             out.append(self.chunk({"role": "assistant", "tool_calls": [{"index": i, **c}]}))
-        extras, ids = self.service.extras(self.req, rec), self.service.choice_ids(self.req, rec)
-        out.append(self.chunk(None, None, finish, usage(rec), extras, ids))
-        out.append("data: [DONE]\n\n")
+        ids = self.service.choice_extras(self.req, res, self.chat)
+        if rec is None:
+            out.append(self.chunk(None, None, finish, ids=ids))
+        else:
+            out.append(self.chunk(None, None, finish, usage(rec), self.service.extras(self.req, rec), ids))
         return out
 
 
-async def sse(request, service: Service, st: Stream):
-    """The SSE body of one streamed request; a client that disconnects stops its row at the next token."""
+async def sse(request, service: Service, streams: list[Stream]):
+    """The SSE body of one streamed request (one Stream per choice); a client that disconnects stops its rows at
+    their next token."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     gone = threading.Event()
 
-    def on_token(tok: int):
-        st.tokens.append(tok)
-        loop.call_soon_threadsafe(events.put_nowait, ("tok", None))
+    def on_token(i: int, tok: int):
+        streams[i].tokens.append(tok)
+        loop.call_soon_threadsafe(events.put_nowait, ("tok", i))
         return not gone.is_set()
 
     def work():
         try:
-            loop.call_soon_threadsafe(events.put_nowait, ("done", service.run(st.req, on_token, gone)))
+            loop.call_soon_threadsafe(events.put_nowait, ("done", service.run(streams[0].req, on_token, gone)))
         except BadRequest as e:
             loop.call_soon_threadsafe(events.put_nowait, ("error", e))
 
@@ -523,7 +589,7 @@ async def sse(request, service: Service, st: Stream):
         while True:
             kind, payload = await events.get()
             if kind == "tok":
-                out = st.progress()
+                out = streams[payload].progress()
                 if out:
                     yield out
                 if await request.is_disconnected():
@@ -536,8 +602,11 @@ async def sse(request, service: Service, st: Stream):
                 )
                 break
             else:
-                for out in st.finish(payload):
-                    yield out
+                rec, results = payload
+                for st, res in zip(streams, results):
+                    for out in st.finish(res, rec if st is streams[-1] else None):
+                        yield out
+                yield "data: [DONE]\n\n"
                 break
     finally:
         gone.set()
@@ -545,7 +614,7 @@ async def sse(request, service: Service, st: Stream):
         service.release()
 
 
-async def run_watched(request, service: Service, req: Parsed) -> RequestRecord:
+async def run_watched(request, service: Service, req: Parsed) -> tuple[RequestRecord, list]:
     """A non-streaming request, decoded in a worker thread while the connection is watched: a client that
     hangs up aborts its row at the next token (its record is kept, finish_reason "abort")."""
     gone = threading.Event()
@@ -560,15 +629,9 @@ async def run_watched(request, service: Service, req: Parsed) -> RequestRecord:
 def read_json(raw: bytes):
     """A request body -> its JSON value, or BadRequest naming what is wrong with it."""
     try:
-        body = json.loads(raw or b"null")
-        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate (\\ud800) cannot be encoded
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
-    except UnicodeEncodeError:
-        raise BadRequest("the request body holds invalid Unicode (a lone surrogate)") from None
-    return body
+        return protocol_read_json(raw)
+    except RequestInvalid as e:
+        raise BadRequest(str(e)) from None
 
 
 def swap_request(service: Service, authorization: str | None, raw: bytes) -> dict:
@@ -598,11 +661,8 @@ def error_response(service: Service, e: BadRequest):
     from fastapi.responses import JSONResponse
 
     service.metrics.errors.labels(str(e.status)).inc()
-    kind = {404: "not_found_error", 405: "method_not_allowed", 429: "rate_limit_error",
-            503: "service_unavailable"}.get(e.status, "invalid_request_error")  # fmt: skip
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
-    return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}},
-                        status_code=e.status, headers=headers)  # fmt: skip
+    return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status, headers=headers)
 
 
 async def complete(request, service: Service, chat: bool):
@@ -615,15 +675,16 @@ async def complete(request, service: Service, chat: bool):
     except BadRequest as e:
         return error_response(service, e)
     if req.stream:  # the stream releases its place when it ends
-        return StreamingResponse(sse(request, service, Stream(service, req, chat)), media_type="text/event-stream",
+        streams = [Stream(service, req, chat, i) for i in range(req.n)]
+        return StreamingResponse(sse(request, service, streams), media_type="text/event-stream",
                                  headers={"x-dspine-request-id": req.id})  # fmt: skip
     try:
-        rec = await run_watched(request, service, req)
+        rec, results = await run_watched(request, service, req)
     except BadRequest as e:
         return error_response(service, e)
     finally:
         service.release()
-    return JSONResponse(service.response(req, rec, chat), headers={"x-dspine-request-id": rec.request_id})
+    return JSONResponse(service.response(req, rec, results, chat), headers={"x-dspine-request-id": rec.request_id})
 
 
 def probe(h: dict, key: str):
