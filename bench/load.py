@@ -1,10 +1,17 @@
-"""Load benchmark: 64 concurrent streaming clients for 60 s through the LiteLLM proxy (issue: serving).
+"""Load benchmark through the LiteLLM proxy: short streaming clients alone, then with long clients beside them.
 
-Against a running proxy:
-    DSPINE_PROXY_KEY=... python bench/load.py --proxy http://127.0.0.1:4000 --model smol --db runs/proxy/acceptance.db
-Or self-contained (starts `dspine serve` with the built-in target and the given drafter, then the proxy):
-    python bench/load.py --start --drafter runs/demo/best --out bench/results/load.json \
-        --summary bench/results/summary.json
+Scenarios (`--scenarios`, comma-separated): `S` = S short streaming clients; `S+L` = S short clients plus L
+clients asking `max_tokens` at the context limit (what the prompt leaves of the target's window), who hang up
+at the deadline. Each runs `--seconds`; the table gives short requests' p50/p99 latency per scenario and each
+mixed scenario's ratio to the short-only scenario of the same S (the serving issue's goal: ≤ 3×), errors and
+lost records (abandoned long streams included).
+
+Self-contained (starts `dspine serve` with the built-in target and the given drafter, then the proxy):
+    python bench/load.py --start --drafter builtin --scenarios 32,32+4,64 \\
+        --out bench/results/load.json --summary bench/results/summary.json
+Against a running stack:
+    DSPINE_PROXY_KEY=... python bench/load.py --proxy http://127.0.0.1:4000 --backend http://127.0.0.1:8000 \\
+        --model smol --db runs/proxy/acceptance.db
 Prints a table; writes JSON (git sha, command, hardware) and the `load` section of summary.json.
 """
 
@@ -14,83 +21,116 @@ import os
 import secrets
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 from dspine.io import atomic_write_text, md_table, provenance, update_summary
-from dspine.serve.loadtest import run_load
+from dspine.serve.loadtest import LONG_PROMPT, run_load
+
+
+def parse_scenario(text: str) -> tuple[int, int]:
+    short, _, long = text.partition("+")
+    try:
+        return int(short), int(long or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"scenario {text!r} is not S or S+L (client counts)") from None
+
+
+def _get(url: str, key: str | None = None, body: dict | None = None) -> dict:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=120) as r:
+        return json.loads(r.read())
+
+
+def long_max_tokens(proxy: str, backend: str, key: str, model: str) -> int:
+    """The room the long prompt leaves in the target's window: max_model_len - its prompt tokens."""
+    window = _get(backend.rstrip("/") + "/v1/models")["data"][0]["max_model_len"]
+    probe = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": LONG_PROMPT}]}
+    used = _get(proxy.rstrip("/") + "/v1/chat/completions", key, probe)["usage"]["prompt_tokens"]
+    return window - used
+
+
+def wait_idle(backend: str, timeout: float = 300) -> None:
+    """Until the server has nothing admitted (abandoned rows aborted), so scenarios do not overlap."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and _get(backend.rstrip("/") + "/health")["admitted"]:
+        time.sleep(1)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--proxy", help="proxy base URL (without --start)")
+    ap.add_argument("--backend", help="the dspine serve base URL behind it (without --start)")
     ap.add_argument("--model", default="smol", help="model name at the proxy (default: %(default)s)")
     ap.add_argument("--db", help="the proxy's acceptance store, to count lost records")
     ap.add_argument("--start", action="store_true", help="start the server and the proxy here (127.0.0.1)")
-    ap.add_argument("--drafter", help="drafter checkpoint for the started server (default: AR)")
-    ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--drafter", default="builtin", help="drafter of the started server ('none': AR; default builtin)")
+    ap.add_argument("--max-batch", type=int, default=8, help="the started server's --max-batch")
+    ap.add_argument("--scenarios", type=lambda s: [parse_scenario(x) for x in s.split(",")], default="32,32+4,64",
+                    help="S or S+L client counts, comma-separated (default: %(default)s)")  # fmt: skip
+    ap.add_argument("--seconds", type=float, default=60.0, help="each scenario's duration")
+    ap.add_argument("--max-tokens", type=int, default=16, help="short requests' max_tokens")
     ap.add_argument("--out", help="JSON result file")
     ap.add_argument("--summary", help="summary.json whose `load` section is rewritten")
     a = ap.parse_args()
-    procs = []
+    if isinstance(a.scenarios, str):
+        a.scenarios = [parse_scenario(x) for x in a.scenarios.split(",")]
+    procs, stop = [], None
+    runs = []
     try:
         if a.start:
             from dspine.process import free_port
-            from dspine.serve.proxy import Backend, ProxyConfig, start_proxy
+            from dspine.serve.proxy import Backend, ProxyConfig, start_proxy, stop_proxy
             from dspine.serve.server import start_server_process
 
             work = Path(tempfile.mkdtemp(prefix="dspine-load-"))
             key = os.environ.get("DSPINE_PROXY_KEY") or "sk-" + secrets.token_hex(16)
             log = open(work / "stack.log", "w")
-            srv, base = start_server_process(a.drafter, "backend", log=log)
-            procs.append(srv)
-            cfg = ProxyConfig(
-                backends=[Backend(a.model, base + "/v1", "backend")],
-                port=free_port(),
-                db=str(work / "acceptance.db"),
-                workdir=str(work / "litellm"),
-            )
-            procs.append(start_proxy(cfg, key=key, log=log))
+            drafter = None if a.drafter == "none" else a.drafter
+            srv, backend = start_server_process(drafter, "backend", log=log, extra=["--max-batch", str(a.max_batch)])
+            procs.append(lambda: (srv.terminate(), srv.wait(timeout=60)))
+            cfg = ProxyConfig(backends=[Backend(a.model, backend + "/v1", "backend")], port=free_port(),
+                              db=str(work / "acceptance.db"), workdir=str(work / "litellm"))  # fmt: skip
+            proxy_proc = start_proxy(cfg, key=key, log=log)
+            procs.append(lambda: stop_proxy(proxy_proc))
             proxy, db = f"http://127.0.0.1:{cfg.port}", cfg.db
         else:
-            if not (a.proxy and a.db):
-                ap.error("give --proxy and --db, or --start")
-            proxy, db, key = a.proxy, a.db, os.environ.get("DSPINE_PROXY_KEY", "")
-        res = run_load(proxy, key, a.model, db, a.clients, a.seconds, a.max_tokens)
+            if not (a.proxy and a.db and a.backend):
+                ap.error("give --proxy, --backend and --db, or --start")
+            proxy, backend, db, key = a.proxy, a.backend, a.db, os.environ.get("DSPINE_PROXY_KEY", "")
+        room = long_max_tokens(proxy, backend, key, a.model) if any(lc for _, lc in a.scenarios) else 0
+        for short, long in a.scenarios:
+            wait_idle(backend)
+            print(f"scenario {short}+{long}: {a.seconds:.0f} s ...", file=sys.stderr, flush=True)
+            runs.append(run_load(proxy, key, a.model, db, short, a.seconds, a.max_tokens, long, room))
     finally:
-        for p in procs[::-1]:
-            p.terminate()
-            p.wait(timeout=30)
-    res.update(**provenance(), backend=f"dspine serve (embedded engine, CPU), drafter {a.drafter or 'none (AR)'}")
-    f = lambda v: "—" if v is None else f"{v:.0f}"
-    header = ["clients", "seconds", "completed", "errors", "lost", "p50 ms", "p99 ms", "req/s"]
-    row = [res["clients"], f"{res['seconds']:.0f}", res["completed"], res["errors"], res["lost"], f(res["p50_ms"]),
-           f(res["p99_ms"]), f"{res['requests_per_s']:.2f}"]  # fmt: skip
-    print(md_table(header, [row]))
+        for stop in procs[::-1]:
+            stop()
+    base = {r["clients"]: r for r in runs if not r["long_clients"]}
+    for r in runs:
+        b = base.get(r["clients"]) if r["long_clients"] else None
+        ok = b is not None and b["p50_ms"] and r["p50_ms"]
+        r["p50_ratio"] = r["p50_ms"] / b["p50_ms"] if ok else None
+        r["p99_ratio"] = r["p99_ms"] / b["p99_ms"] if ok else None
+    res = {"scenarios": runs, "max_batch": a.max_batch, **provenance(),
+           "backend": f"dspine serve (embedded engine, CPU), drafter {a.drafter}"}  # fmt: skip
+    f = lambda v, d=0: "—" if v is None else f"{v:.{d}f}"
+    header = ["short", "long", "completed", "errors", "lost", "p50 ms", "p99 ms", "p50 ×", "p99 ×", "req/s",
+              "long tokens"]  # fmt: skip
+    rows = [[r["clients"], r["long_clients"], r["completed"], r["errors"], r["lost"], f(r["p50_ms"]), f(r["p99_ms"]),
+             f(r["p50_ratio"], 2), f(r["p99_ratio"], 2), f(r["requests_per_s"], 2),
+             ",".join(str(t) for t in r["long_tokens"]) or "—"] for r in runs]  # fmt: skip
+    print(md_table(header, rows))
     if a.out:
         atomic_write_text(Path(a.out), json.dumps(res, indent=1) + "\n")
+        atomic_write_text(Path(a.out).with_suffix(".md"), md_table(header, rows) + "\n")
     if a.summary:
-        update_summary(
-            a.summary,
-            "load",
-            {
-                k: res[k]
-                for k in (
-                    "clients",
-                    "seconds",
-                    "completed",
-                    "errors",
-                    "lost",
-                    "p50_ms",
-                    "p99_ms",
-                    "git_sha",
-                    "hardware",
-                    "command",
-                )
-            },
-        )
-    return 0 if res["errors"] == 0 and res["lost"] == 0 else 1
+        keep = ("clients", "long_clients", "completed", "errors", "lost", "p50_ms", "p99_ms", "p50_ratio", "p99_ratio")
+        update_summary(a.summary, "load", {"scenarios": [{k: r[k] for k in keep} for r in runs],
+                                           **{k: res[k] for k in ("git_sha", "hardware", "command")}})  # fmt: skip
+    return 0 if all(r["errors"] == 0 and r["lost"] == 0 for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -144,7 +144,7 @@ def _add_serve(sub) -> None:
         "--max-batch",
         type=int,
         default=8,
-        help="requests decoded together, from those waiting when a batch starts (default: %(default)s)",
+        help="rows decoded together in one batch; requests join a running batch between rounds (default: %(default)s)",
     )
     s.add_argument(
         "--max-queue",

@@ -420,6 +420,7 @@ class BatchDecode:
             self.ctx.extend(feats[:, :m], pos[:, :m])
         self.committed = self.committed + n_acc + 1
         self._commit(n_acc, nxt, prop, logits)
+        self.compact()  # rows that accepted less than the round's longest leave masked holes
 
     def _penalized(self, logits: torch.Tensor, prop) -> torch.Tensor:
         """logits (N, W, V) -> a copy penalized for the rows that ask for it (the same tensor when none do)."""

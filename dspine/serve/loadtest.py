@@ -1,10 +1,12 @@
-"""Load through the proxy: N concurrent streaming clients for a fixed time, then the accounting.
+"""Load through the proxy: concurrent streaming clients for a fixed time, then the accounting.
 
-Each client sends streaming chat requests back to back (workloads and thinking levels in rotation, tagged
-the way agent frameworks tag them) until the time is up; requests already sent are let finish. Reported:
+Short clients send streaming chat requests back to back (workloads and thinking levels in rotation, tagged
+the way agent frameworks tag them) until the time is up; requests already sent are let finish. Long clients
+ask for `max_tokens` at the context limit (the window the prompt leaves) and hang up at the deadline, as an
+agent that gives up would: their rows are aborted by the server and must still reach the store. Reported:
 completed, errors (a non-200 answer, an error event in the stream, a broken connection), lost records
-(completed requests that never reached the acceptance store), latency p50/p99 (request sent → last event)
-and throughput. Speed lives here, not in timed tests.
+(requests that streamed an id — completed or abandoned — and never reached the acceptance store), short
+requests' latency p50/p99 (sent → last event) and throughput. Speed lives here, not in timed tests.
 """
 
 from __future__ import annotations
@@ -24,25 +26,31 @@ PROMPTS = [
     "Suggest a name for a function that parses dates.",
     "List two benefits of unit tests.",
 ]
+LONG_PROMPT = "Count from 1 to 10000, one number per line, without stopping."
 WORKLOADS = ("swe", "tool_use", "office")
 EFFORTS = ("none", "low", "high")
 
 
-async def _client(i: int, http, url: str, key: str, model: str, deadline: float, max_tokens: int, out: list):
+def _body(i: int, n: int, model: str, max_tokens: int, long: bool) -> dict:
+    prompt = LONG_PROMPT if long else PROMPTS[(i + n) % len(PROMPTS)]
+    return {
+        "model": model,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": prompt}],
+        "metadata": {"workload": "long" if long else WORKLOADS[(i + n) % len(WORKLOADS)]},
+        "reasoning_effort": "none" if long else EFFORTS[(i // len(WORKLOADS) + n) % len(EFFORTS)],
+    }
+
+
+async def _client(i, http, url, key, body_of, deadline: float, long: bool, out: list):
     n = 0
     while time.time() < deadline:
-        body = {
-            "model": model,
-            "stream": True,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "messages": [{"role": "user", "content": PROMPTS[(i + n) % len(PROMPTS)]}],
-            "metadata": {"workload": WORKLOADS[(i + n) % len(WORKLOADS)]},
-            "reasoning_effort": EFFORTS[(i // len(WORKLOADS) + n) % len(EFFORTS)],
-        }
+        body = body_of(i, n)
         n += 1
         t0 = time.perf_counter()
-        rec = {"client": i, "id": None, "error": None, "tokens": 0}
+        rec = {"client": i, "long": long, "id": None, "error": None, "tokens": 0, "aborted": False}
         try:
             async with http.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
                 if r.status_code != 200:
@@ -62,7 +70,10 @@ async def _client(i: int, http, url: str, key: str, model: str, deadline: float,
                             break
                         rec["id"] = ev.get("id", rec["id"])
                         rec["tokens"] += 1
-                    if not done and rec["error"] is None:
+                        if long and time.time() > deadline:
+                            rec["aborted"] = True  # the client hangs up: the server aborts the row
+                            break
+                    if not done and rec["error"] is None and not rec["aborted"]:
                         rec["error"] = "stream ended without [DONE]"
         except Exception as e:  # a broken connection or timeout is an error to count, not a crash
             rec["error"] = f"{type(e).__name__}: {e}"[:200]
@@ -70,21 +81,21 @@ async def _client(i: int, http, url: str, key: str, model: str, deadline: float,
         out.append(rec)
 
 
-async def _run(
-    proxy: str, key: str, model: str, clients: int, seconds: float, max_tokens: int, drain_s: float
-) -> tuple[list[dict], float]:
+async def _run(proxy, key, model, clients, long_clients, seconds, max_tokens, long_max_tokens, drain_s):
     import httpx
 
     url = proxy.rstrip("/") + "/v1/chat/completions"
     out: list[dict] = []
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    total = clients + long_clients
+    limits = httpx.Limits(max_connections=total + 4, max_keepalive_connections=total + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(seconds + drain_s), limits=limits) as http:
         t0 = time.time()
         deadline = t0 + seconds
-        await asyncio.wait_for(
-            asyncio.gather(*[_client(i, http, url, key, model, deadline, max_tokens, out) for i in range(clients)]),
-            timeout=seconds + drain_s + 30,
-        )
+        short = lambda i, n: _body(i, n, model, max_tokens, False)
+        long = lambda i, n: _body(i, n, model, long_max_tokens, True)
+        tasks = [_client(i, http, url, key, short, deadline, False, out) for i in range(clients)]
+        tasks += [_client(clients + i, http, url, key, long, deadline, True, out) for i in range(long_clients)]
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=seconds + drain_s + 30)
     return out, time.time() - t0
 
 
@@ -96,36 +107,49 @@ def run_load(
     clients: int = 64,
     seconds: float = 60.0,
     max_tokens: int = 16,
+    long_clients: int = 0,
+    long_max_tokens: int = 0,
     drain_s: float = 600.0,
-    settle_s: float = 30.0,
+    settle_s: float = 60.0,
 ) -> dict:
-    """Drive the proxy; then wait up to `settle_s` for the store to hold every completed request."""
+    """Drive the proxy; then wait up to `settle_s` for the store to hold every request that got an id."""
     since = time.time()
-    out, wall = asyncio.run(_run(proxy, key, model, clients, seconds, max_tokens, drain_s))
+    out, wall = asyncio.run(
+        _run(proxy, key, model, clients, long_clients, seconds, max_tokens, long_max_tokens, drain_s)
+    )
     ok = [r for r in out if r["error"] is None]
-    want = {r["id"] for r in ok}
+    want = {r["id"] for r in ok if r["id"]}
     store = AcceptanceStore(db)
     deadline = time.time() + settle_s
     while True:
-        got = {r["request_id"] for r in store.rows(since - 1)}
-        if want <= got or time.time() > deadline:
+        rows = {r["request_id"]: r for r in store.rows(since - 1)}
+        if want <= set(rows) or time.time() > deadline:
             break
         time.sleep(0.5)
-    lat = [r["latency_ms"] for r in ok]
+    short = [r for r in ok if not r["long"]]
+    long = [r for r in ok if r["long"]]
+    lat = [r["latency_ms"] for r in short]
     errors = [r["error"] for r in out if r["error"] is not None]
+    long_rows = [rows[r["id"]] for r in long if r["id"] in rows]
     return {
         "clients": clients,
+        "long_clients": long_clients,
         "seconds": seconds,
         "wall_s": wall,
         "max_tokens": max_tokens,
+        "long_max_tokens": long_max_tokens,
         "sent": len(out),
-        "completed": len(ok),
+        "completed": len(short),
         "errors": len(errors),
-        "lost": len(want - got),
+        "lost": len(want - set(rows)),
         "p50_ms": quantile(lat, 0.5),
         "p99_ms": quantile(lat, 0.99),
         "max_ms": max(lat) if lat else None,
-        "requests_per_s": len(ok) / wall if wall else 0.0,
+        "requests_per_s": len(short) / wall if wall else 0.0,
         "stream_events_per_s": sum(r["tokens"] for r in ok) / wall if wall else 0.0,
+        "long_requests": len(long),
+        "long_aborted": sum(r["aborted"] for r in long),
+        "long_tokens": [r.get("completion_tokens") for r in long_rows],
+        "long_tau": [r.get("tau") for r in long_rows],
         "error_examples": sorted(set(errors))[:5],
     }

@@ -732,6 +732,7 @@ def create_app(service: Service):
                     "drafter": service.drafter_name,
                     "method": service.engine.method,
                     "target": service.engine.target.name,
+                    "max_model_len": service.engine.max_positions,
                     "chat_template_sha256": service.template_sha256,
                 }
             ],
