@@ -159,6 +159,13 @@ def _add_serve(sub) -> None:
         help="on SIGTERM, in-flight requests may finish this long before they are aborted (default: %(default)s)",
     )
     s.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may decode before it is aborted (finish_reason abort, recorded); a request's own "
+        "`timeout` field may ask for less (default: no limit)",
+    )
+    s.add_argument(
         "--admin-key",
         default=os.environ.get("DSPINE_ADMIN_KEY"),
         help="bearer key of POST /v1/dspine/drafter, which swaps the served drafter without dropping requests "
@@ -570,13 +577,13 @@ def cmd_serve(a) -> int:
     from dspine.serve.server import ServeConfig, drafter_label, serve
     from dspine.target import load_target
 
-    if a.max_batch < 1 or a.max_queue < 1 or a.grace_seconds < 0:
-        raise UsageError("--max-batch and --max-queue must be >= 1, --grace-seconds >= 0")
+    if a.max_batch < 1 or a.max_queue < 1 or a.grace_seconds < 0 or (a.request_timeout or 1) <= 0:
+        raise UsageError("--max-batch and --max-queue must be >= 1, --grace-seconds >= 0, --request-timeout > 0")
     a.drafter = resolve_drafter(a.drafter, a.target, default=True)
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device) if a.drafter else None
     cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch, max_queue=a.max_queue,
-                      grace_s=a.grace_seconds, admin_key=a.admin_key)  # fmt: skip
+                      grace_s=a.grace_seconds, admin_key=a.admin_key, request_timeout_s=a.request_timeout)  # fmt: skip
     name = drafter_label(a.drafter) if a.drafter else None
     serve(_engine(target, drafter, a.draft_len), a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter)
     return 0

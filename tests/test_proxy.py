@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from bad_requests import BAD
 from conftest import running_server
 
 from dspine.checkpoint import save_drafter
@@ -38,7 +39,11 @@ def stack(tmp_path_factory, smollm2_drafters):
     ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp / "dspine")
     with running_server(ckpt, "smol-backend") as server:
         cfg = ProxyConfig(
-            backends=[Backend("smol", server + "/v1", "smol-backend")],
+            # "down": a backend nothing listens on (its port was free when asked)
+            backends=[
+                Backend("smol", server + "/v1", "smol-backend"),
+                Backend("down", f"http://127.0.0.1:{free_port()}/v1"),
+            ],
             port=free_port(),
             db=str(tmp / "acceptance.db"),
             metrics_port=free_port(),
@@ -340,3 +345,55 @@ def test_store_summary_orders_levels_fills_gaps_and_splits_drafters(tmp_path):
     assert [x["tau_mean"] is None for x in s["series"]] == [False] + [True] * 6 + [False]
     wide = store.summary(bucket_s=60, max_points=4)
     assert wide["bucket_s"] == 120 and [x["requests"] for x in wide["series"]] == [3, 0, 0, 2]
+
+
+@pytest.mark.parametrize("name,body,raw,status,needle,ctype", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_through_the_proxy_gets_the_servers_4xx(stack, name, body, raw, status, needle, ctype):
+    """The server's bad-input table sent through the proxy: the same status and words (LiteLLM never answers
+    500 or a misleading message), nothing recorded, both processes alive."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(stack["proxy"] + "/v1/chat/completions", data,
+                                 {"Content-Type": ctype, "Authorization": f"Bearer {KEY}"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=120)
+    text = e.value.read().decode()
+    assert e.value.code == status, text
+    assert needle in json.loads(text)["error"]["message"], text
+    assert urllib.request.urlopen(stack["proxy"] + "/health/liveliness", timeout=30).status == 200
+    assert json.loads(urllib.request.urlopen(stack["server"] + "/health", timeout=30).read())["status"] == "ok"
+
+
+def test_a_down_backend_is_503_and_an_abandoned_stream_is_recorded_with_its_tau(stack):
+    import httpx
+
+    before = {r["request_id"] for r in _rows(stack["cfg"].db)}
+    body = {"model": "down", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(stack["proxy"] + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 503 and "cannot be reached" in r.json()["error"]["message"], r.text
+
+    long = {"model": "smol", "stream": True, "max_tokens": 150, "temperature": 0, "metadata": {"workload": "gone"},
+            "messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}  # fmt: skip
+    with httpx.stream("POST", stack["proxy"] + "/v1/chat/completions", json=long, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:  # fmt: skip
+        events = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                rid, events = json.loads(line[6:])["id"], events + 1
+            if events == 3:
+                break  # the client hangs up
+    deadline = time.time() + 60
+    while time.time() < deadline and not [x for x in _rows(stack["cfg"].db) if x["request_id"] == rid]:
+        time.sleep(0.25)
+    rows = [x for x in _rows(stack["cfg"].db) if x["request_id"] not in before]
+    assert [x["request_id"] for x in rows] == [rid]  # the 503 is not a record; the abandoned stream is
+    own = json.loads(urllib.request.urlopen(f"{stack['server']}/v1/dspine/requests/{rid}").read())
+    assert own["finish_reason"] == "abort" and 0 < own["completion_tokens"] < 150
+    row = rows[0]
+    assert row["source"] == "backend_record" and row["workload"] == "gone"
+    assert row["tau"] == pytest.approx(own["tau"]) and row["verify_rounds"] == own["verify_rounds"] >= 1
+    assert row["completion_tokens"] == own["completion_tokens"] and row["prompt_tokens"] == own["prompt_tokens"]
+    deadline = time.time() + 30  # and the server gave its place back
+    while time.time() < deadline and json.loads(urllib.request.urlopen(stack["server"] + "/health").read())["admitted"]:
+        time.sleep(0.25)
+    assert json.loads(urllib.request.urlopen(stack["server"] + "/health").read())["admitted"] == 0

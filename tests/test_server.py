@@ -2,10 +2,12 @@
 records and metrics, and one clear 4xx per kind of bad input with the server staying up."""
 
 import json
+import time
 import urllib.error
 import urllib.request
 
 import pytest
+from bad_requests import BAD, CHAT
 from conftest import running_server
 
 from dspine.checkpoint import save_drafter
@@ -20,9 +22,9 @@ def server(tmp_path_factory, smollm2_drafters):
         yield base
 
 
-def post(base, path, body, raw=None):
+def post(base, path, body, raw=None, ctype="application/json"):
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+    req = urllib.request.Request(base + path, data, {"Content-Type": ctype})
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             return r.status, r.read().decode(), dict(r.headers)
@@ -33,14 +35,6 @@ def post(base, path, body, raw=None):
 def get(base, path):
     with urllib.request.urlopen(base + path, timeout=30) as r:
         return r.read().decode()
-
-
-CHAT = {
-    "model": "smol",
-    "messages": [{"role": "user", "content": "Name three colours."}],
-    "max_tokens": 24,
-    "temperature": 0,
-}
 
 
 def test_chat_returns_acceptance_in_sglang_shape(server, smollm2):
@@ -132,6 +126,8 @@ def test_completions_models_metrics_and_effort(server):
     assert status == 200 and json.loads(body)["object"] == "text_completion"
     models = json.loads(get(server, "/v1/models"))
     assert models["data"][0]["id"] == "smol" and models["data"][0]["method"] == "dspine"
+    assert models["data"][0]["max_model_len"] == 8192
+    assert models["data"][0]["reasoning_effort"]["mode"] == "system_note"  # SmolLM2 has no thinking mode: said
     _, b_none, _ = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "reasoning_effort": "none"})
     _, b_high, _ = post(
         server,
@@ -146,45 +142,21 @@ def test_completions_models_metrics_and_effort(server):
     assert "dspine_accept_length_bucket" in metrics
 
 
-BAD = [
-    ("malformed JSON", None, b"{not json", 400, "not valid JSON"),
-    ("unknown model", {**CHAT, "model": "gpt-9"}, None, 404, "does not exist"),
-    ("negative max_tokens", {**CHAT, "max_tokens": -5}, None, 400, "max_tokens"),
-    ("temperature < 0", {**CHAT, "temperature": -0.1}, None, 400, "temperature"),
-    ("oversized prompt", {**CHAT, "messages": [{"role": "user", "content": "word " * 400}]}, None, 400, "at most 200"),
-    ("invalid reasoning_effort", {**CHAT, "reasoning_effort": "extreme"}, None, 400, "reasoning_effort"),
-    ("missing messages", {"model": "smol", "max_tokens": 4}, None, 400, "messages"),
-    ("user content null", {**CHAT, "messages": [{"role": "user", "content": None}]}, None, 400, "needs content"),
-    ("tool result without id", {**CHAT, "messages": [{"role": "tool", "content": "4"}]}, None, 400, "tool_call_id"),
-    ("unknown role", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, None, 400, "messages.0.role"),
-    ("tool without a name", {**CHAT, "tools": [{"type": "function", "function": {}}]}, None, 400, "tools.0"),
-    (
-        "tool_choice names no tool",
-        {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-        None,
-        400,
-        "not among the tools",
-    ),
-    ("stream not a boolean", {**CHAT, "stream": "yes"}, None, 400, "stream"),
-    ("temperature as text", {**CHAT, "temperature": "0.5"}, None, 400, "temperature"),
-    ("max_tokens beyond the context", {**CHAT, "max_tokens": 1_000_000_000}, None, 400, "context window"),
-    ("n > 1", {**CHAT, "n": 2}, None, 400, "'n' is not supported"),
-    ("logprobs", {**CHAT, "logprobs": True, "top_logprobs": 2}, None, 400, "'logprobs' is not supported"),
-    ("presence_penalty", {**CHAT, "presence_penalty": 0.5}, None, 400, "'presence_penalty' is not supported"),
-    ("json response_format", {**CHAT, "response_format": {"type": "json_object"}}, None, 400, "response_format"),
-    ("legacy functions", {**CHAT, "functions": [{"name": "f", "parameters": {}}]}, None, 400, "'functions'"),
-    ("return_meta_info as text", {**CHAT, "return_meta_info": "yes"}, None, 400, "return_meta_info"),
-    ("50k-deep nesting", None, b"[" * 50_000, 400, "nested too deeply"),
-    ("lone surrogate", None, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "lone surrogate"),
-]
+def test_a_requests_time_limit_aborts_it_and_keeps_its_record(server):
+    t0 = time.time()
+    status, text, _ = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 1500, "timeout": 2})
+    doc = json.loads(text)
+    assert status == 200 and doc["choices"][0]["finish_reason"] == "abort" and time.time() - t0 < 30
+    rec = json.loads(get(server, f"/v1/dspine/requests/{doc['id']}"))
+    assert rec["finish_reason"] == "abort" and 0 < rec["completion_tokens"] < 1500 and rec["latency_s"] >= 2
 
 
-@pytest.mark.parametrize("name,body,raw,status,needle", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_is_refused_and_server_stays_up(server, name, body, raw, status, needle):
-    got, text, _ = post(server, "/v1/chat/completions", body, raw)
+@pytest.mark.parametrize("name,body,raw,status,needle,ctype", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_refused_and_server_stays_up(server, name, body, raw, status, needle, ctype):
+    got, text, _ = post(server, "/v1/chat/completions", body, raw, ctype)
     assert got == status, text
     err = json.loads(text)["error"]
-    assert needle in err["message"]
+    assert needle in err["message"] and err["type"]
     assert json.loads(get(server, "/health"))["status"] == "ok"
 
 
@@ -196,7 +168,6 @@ def test_concurrent_requests_are_batched_and_equal_ar(server, smollm2, smollm2_d
     busy = {**CHAT, "max_tokens": 48, "messages": [{"role": "user", "content": "Tell me about the sea."}]}
     with ThreadPoolExecutor(5) as ex:
         first = ex.submit(post, server, "/v1/chat/completions", busy)
-        import time
 
         time.sleep(1.0)  # the first request is decoding; the next four queue behind it
         rest = list(
@@ -216,6 +187,50 @@ def test_concurrent_requests_are_batched_and_equal_ar(server, smollm2, smollm2_d
         rec = json.loads(get(server, f"/v1/dspine/requests/{doc['id']}"))
         sizes.append(rec["batch_size"])
     assert max(sizes) > 1, sizes
+
+
+def test_n_logprobs_and_penalties_are_honoured(server, smollm2):
+    """Through the real server (decoding with a drafter): n = 2 greedy choices each equal AR; logprobs equal a
+    full forward of the prompt and output; presence/frequency penalties give AR's output under the same
+    penalties (and change it); n = 2 streamed (seeded sampling) gives the choices the non-streamed request
+    gives, each with its finish."""
+    import torch
+
+    from dspine.engine import generate_batch
+
+    body = {**CHAT, "max_tokens": 16, "n": 2, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
+    status, text, _ = post(server, "/v1/chat/completions", body)
+    doc = json.loads(text)
+    assert status == 200 and [c["index"] for c in doc["choices"]] == [0, 1], text
+    ar = Engine(smollm2).generate(CHAT["messages"], SamplingParams(max_tokens=16))
+    for c in doc["choices"]:
+        assert c["message"]["content"] == ar.text and c["token_ids"] == ar.token_ids
+    assert doc["usage"]["completion_tokens"] == 2 * len(ar.token_ids)
+    prompt = doc["prompt_token_ids"]
+    logits, _ = smollm2.forward(torch.tensor([prompt + ar.token_ids]))
+    lsm = logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    content = doc["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ar.token_ids)
+    for j, (tok, item) in enumerate(zip(ar.token_ids, content)):
+        assert item["logprob"] == pytest.approx(float(lsm[j, tok]), abs=2e-3) and item["token"] == smollm2.decode([tok])
+        top = item["top_logprobs"]
+        assert [t["logprob"] for t in top] == pytest.approx(lsm[j].topk(2).values.tolist(), abs=2e-3)
+
+    pen = dict(frequency_penalty=1.2, presence_penalty=0.4)
+    got = json.loads(post(server, "/v1/chat/completions", {**CHAT, **pen})[1])["choices"][0]["message"]["content"]
+    want = generate_batch(Engine(smollm2), [CHAT["messages"]], SamplingParams(max_tokens=24, **pen))[0].text
+    assert got == want and want != Engine(smollm2).generate(CHAT["messages"], SamplingParams(max_tokens=24)).text
+
+    sampled = {**CHAT, "max_tokens": 12, "n": 2, "temperature": 1.0, "seed": 7}
+    whole = [c["message"]["content"] for c in json.loads(post(server, "/v1/chat/completions", sampled)[1])["choices"]]
+    status, text, _ = post(server, "/v1/chat/completions", {**sampled, "stream": True})
+    streamed, finish = ["", ""], [None, None]
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                streamed[c["index"]] += c["delta"].get("content") or ""
+                finish[c["index"]] = c["finish_reason"] or finish[c["index"]]
+    assert status == 200 and streamed == whole and None not in finish and text.rstrip().endswith("data: [DONE]")
 
 
 # small: the shared server refuses prompts over 200 tokens; the follow-up carries the schema, call and result
@@ -325,7 +340,6 @@ def test_limits_disconnects_and_sigterm(tmp_path):
     import signal
     import socket
     import threading
-    import time
 
     from dspine.serve.server import start_server_process
 

@@ -6,7 +6,8 @@ turns what its provider code trips over into 500s, so a malformed request throug
 LiteLLM's app for the OpenAI completion routes: a POST without the master key answers 401 (LiteLLM would parse
 the body first and could answer 500); one with it is read whole, parsed by the server's own functions
 (protocol.read_json, protocol.parse_request) and, when bad, answered with the same 4xx and message the server
-would give, before LiteLLM runs; an unknown model answers 404 as the server does. A good body goes on
+would give, before LiteLLM runs (fields a backend may or may not implement, such as `logit_bias`, are left
+to the backend); an unknown model answers 404 as the server does. A good body goes on
 unchanged, its Content-Type made application/json (a JSON body sent as a form by `curl -d` is still JSON).
 """
 
@@ -28,7 +29,7 @@ def check_body(raw: bytes, content_type: str, chat: bool, models: set[str]) -> t
         doc = read_json(raw)
         if isinstance(doc, dict) and not isinstance(doc.get("model"), str):
             raise RequestInvalid(f"'model' is required: one of {sorted(models)}", "model")
-        parse_request(doc, chat)
+        parse_request(doc, chat, refuse_unsupported=False)  # the backend decides what it implements
     except RequestInvalid as e:
         msg = str(e)
         if "not valid JSON" in msg and "json" not in content_type:

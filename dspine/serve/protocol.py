@@ -135,6 +135,7 @@ class _Request(_Model):
     user: str | None = None
     stream_options: dict[str, Any] | None = None  # usage always comes in the last chunk
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
+    timeout: Annotated[Float, Field(gt=0)] | None = None  # seconds this request may decode (then aborted)
     presence_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
 
@@ -277,10 +278,12 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
                       "code": code}}  # fmt: skip
 
 
-def parse_request(body: Any, chat: bool) -> ChatRequest | CompletionRequest:
+def parse_request(body: Any, chat: bool, refuse_unsupported: bool = True) -> ChatRequest | CompletionRequest:
+    """A JSON body -> the checked request, or RequestInvalid naming the field. `refuse_unsupported=False` (the
+    proxy's gate, in front of backends that may implement them) lets the UNSUPPORTED fields through."""
     if not isinstance(body, dict):
         raise RequestInvalid("the request body must be a JSON object", None)
-    for name, off in UNSUPPORTED.items():
+    for name, off in UNSUPPORTED.items() if refuse_unsupported else ():
         if body.get(name) is not None and not off(body[name]):
             raise RequestInvalid(f"'{name}' is not supported by this server yet (got {body[name]!r}); leave it out",
                                  name)  # fmt: skip

@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -69,10 +70,20 @@ class ServeConfig:
     grace_s: float = 30.0  # on SIGTERM: in-flight requests may finish this long, then are aborted
     stall_s: float = 300.0  # /health reports the decode loop dead when a batch makes no progress this long
     admin_key: str | None = None  # bearer key of POST /v1/dspine/drafter (the drafter swap); None: swap disabled
+    request_timeout_s: float | None = None  # a request decoding longer is aborted (its own `timeout` may ask less)
+
+
+def thinking_mode(model_type: str) -> dict:
+    """How `reasoning_effort` reaches this target, as /v1/models reports it and `dspine serve` says at start."""
+    if model_type.startswith("qwen3"):
+        return {"mode": "enable_thinking", "detail": "none: enable_thinking=False; any other level: True"}
+    budget = ", ".join(f"{k} {v}" for k, v in REASONING_BUDGET.items())
+    return {"mode": "system_note", "detail": "the target has no thinking mode: low..xhigh add a system note asking "
+            f"for step-by-step reasoning within a token budget ({budget}); none adds nothing"}  # fmt: skip
 
 
 def apply_reasoning_effort(model_type: str, messages: list[dict], effort: str) -> tuple[list[dict], dict]:
-    """-> (messages, chat-template kwargs) for the target's notion of thinking."""
+    """-> (messages, chat-template kwargs) for the target's notion of thinking (see thinking_mode)."""
     if model_type.startswith("qwen3"):
         return messages, {"enable_thinking": effort != "none"}
     if effort == "none":
@@ -100,6 +111,7 @@ class Parsed:
     token_ids: bool
     tool_names: set[str] | None  # the offered functions; None: no tools, the reply is plain content
     n: int = 1  # choices
+    timeout_s: float | None = None  # decoding longer than this aborts the request
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
 
 
@@ -329,6 +341,7 @@ class Service:
             token_ids=req.return_token_ids,
             tool_names={t.function.name for t in tools} if tools else None,
             n=req.n,
+            timeout_s=min((t for t in (req.timeout, self.cfg.request_timeout_s) if t), default=None),
         )
 
     def _chat_ids(self, req: ChatRequest, effort: str) -> list[int]:
@@ -401,14 +414,16 @@ class Service:
     # ---- generation ------------------------------------------------------------------------------------
     def run(self, req: Parsed, on_token=None, gone: threading.Event | None = None) -> tuple[RequestRecord, list]:
         """Decode one request's `n` choices -> (its record, one GenerationResult per choice). A choice aborts at
-        its next token once `gone` is set (the client left) or the shutdown grace period is over;
+        its next token once `gone` is set (the client left), its time limit has passed or the shutdown grace period
+        is over;
         `on_token(choice, token)` returning False aborts that choice too. Choice i of a seeded request draws
         from seed + i."""
         t0 = time.time()
+        until = t0 + req.timeout_s if req.timeout_s else float("inf")
 
         def cb(i):
             def f(tok):
-                if self.abort_all.is_set() or (gone is not None and gone.is_set()):
+                if self.abort_all.is_set() or (gone is not None and gone.is_set()) or time.time() > until:
                     return False
                 return on_token(i, tok) if on_token is not None else True
 
@@ -581,10 +596,13 @@ async def sse(request, service: Service, streams: list[Stream]):
     def work():
         try:
             loop.call_soon_threadsafe(events.put_nowait, ("done", service.run(streams[0].req, on_token, gone)))
-        except BadRequest as e:
+        except Exception as e:  # BadRequest, or what decoding raised: the client gets an error event
             loop.call_soon_threadsafe(events.put_nowait, ("error", e))
 
+    # The place is released when decoding ends, not in `finally`: a client that hangs up cancels this generator,
+    # and inside a cancelled scope every await is cancelled again, so nothing after one would run.
     task = loop.run_in_executor(None, work)
+    task.add_done_callback(lambda _: service.release())
     try:
         while True:
             kind, payload = await events.get()
@@ -609,9 +627,7 @@ async def sse(request, service: Service, streams: list[Stream]):
                 yield "data: [DONE]\n\n"
                 break
     finally:
-        gone.set()
-        await task  # the engine stops at its next token once `gone` is set
-        service.release()
+        gone.set()  # the engine stops these rows at their next token
 
 
 async def run_watched(request, service: Service, req: Parsed) -> tuple[RequestRecord, list]:
@@ -733,6 +749,7 @@ def create_app(service: Service):
                     "method": service.engine.method,
                     "target": service.engine.target.name,
                     "max_model_len": service.engine.max_positions,
+                    "reasoning_effort": thinking_mode(service.engine.target.info.model_type),
                     "chat_template_sha256": service.template_sha256,
                 }
             ],
@@ -791,6 +808,9 @@ def serve(
 
     service = Service(engine, cfg, drafter_name)
     service.drafter_path = drafter_path
+    mode = thinking_mode(engine.target.info.model_type)
+    if mode["mode"] != "enable_thinking":
+        print(f"dspine serve: reasoning_effort on {engine.target.name}: {mode['detail']}", file=sys.stderr, flush=True)
     grace = service.cfg.grace_s
 
     class Server(uvicorn.Server):
