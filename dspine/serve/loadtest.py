@@ -2,7 +2,8 @@
 
 Short clients send streaming chat requests back to back (workloads and thinking levels in rotation, tagged
 the way agent frameworks tag them) until the time is up; requests already sent are let finish. Long clients
-ask for `max_tokens` at the context limit (the window the prompt leaves) and hang up at the deadline, as an
+ask for `max_tokens` at the context limit (the window the prompt leaves; `ignore_eos`, so they decode that long
+unless stopped) and hang up at the deadline, as an
 agent that gives up would: their rows are aborted by the server and must still reach the store. Reported:
 completed, errors (a non-200 answer, an error event in the stream, a broken connection), lost records
 (requests that streamed an id — completed or abandoned — and never reached the acceptance store), short
@@ -41,6 +42,8 @@ def _body(i: int, n: int, model: str, max_tokens: int, long: bool) -> dict:
         "messages": [{"role": "user", "content": prompt}],
         "metadata": {"workload": "long" if long else WORKLOADS[(i + n) % len(WORKLOADS)]},
         "reasoning_effort": "none" if long else EFFORTS[(i // len(WORKLOADS) + n) % len(EFFORTS)],
+        # a long client decodes to its max_tokens (LiteLLM passes extra_body's fields on to the backend)
+        **({"extra_body": {"ignore_eos": True}} if long else {}),
     }
 
 

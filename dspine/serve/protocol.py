@@ -132,6 +132,7 @@ class _Request(_Model):
     return_spec_tokens_details: Bool = False
     return_meta_info: Bool = False
     return_token_ids: Bool = False  # vLLM's field: prompt_token_ids (top level) and token_ids (per choice)
+    ignore_eos: Bool = False  # vLLM's and SGLang's field: decode past the end-of-sequence token
     user: str | None = None
     stream_options: dict[str, Any] | None = None  # usage always comes in the last chunk
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1

@@ -325,6 +325,7 @@ class Service:
             top_k=req.top_k or 0,
             stop=stop,
             seed=req.seed,
+            ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logprobs=req.top_k_logprobs(),
