@@ -192,8 +192,8 @@ def test_concurrent_requests_are_batched_and_equal_ar(server, smollm2, smollm2_d
 def test_n_logprobs_and_penalties_are_honoured(server, smollm2):
     """Through the real server (decoding with a drafter): n = 2 greedy choices each equal AR; logprobs equal a
     full forward of the prompt and output; presence/frequency penalties give AR's output under the same
-    penalties (and change it); n = 2 streamed (seeded sampling) gives the choices the non-streamed request
-    gives, each with its finish."""
+    penalties (and change it); ignore_eos decodes past the end; n = 2 streamed (seeded sampling) gives the
+    choices the non-streamed request gives, each with its finish."""
     import torch
 
     from dspine.engine import generate_batch
@@ -220,6 +220,10 @@ def test_n_logprobs_and_penalties_are_honoured(server, smollm2):
     got = json.loads(post(server, "/v1/chat/completions", {**CHAT, **pen})[1])["choices"][0]["message"]["content"]
     want = generate_batch(Engine(smollm2), [CHAT["messages"]], SamplingParams(max_tokens=24, **pen))[0].text
     assert got == want and want != Engine(smollm2).generate(CHAT["messages"], SamplingParams(max_tokens=24)).text
+
+    ends = [json.loads(post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 64, **kw})[1])["choices"][0]
+            for kw in ({}, {"ignore_eos": True})]  # fmt: skip
+    assert ends[0]["finish_reason"] == "stop" and ends[1]["finish_reason"] == "length"  # ignore_eos decodes on
 
     sampled = {**CHAT, "max_tokens": 12, "n": 2, "temperature": 1.0, "seed": 7}
     whole = [c["message"]["content"] for c in json.loads(post(server, "/v1/chat/completions", sampled)[1])["choices"]]

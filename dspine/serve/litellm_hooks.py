@@ -169,15 +169,16 @@ class DSpineLogger(CustomLogger):
 
 
 def _unreachable(e: BaseException) -> bool:
-    """Whether an exception (or one it was raised from) is a failed connection to the backend."""
+    """Whether an exception (or one it was raised from) is a failed connection to the backend: httpx's connect
+    errors or the OpenAI SDK's APIConnectionError (not LiteLLM's subclass of it, which also wraps its own bugs)."""
     import httpx
     import openai
 
     seen = 0
     while e is not None and seen < 16:
-        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout, openai.APIConnectionError)) and not isinstance(
-            e, openai.APITimeoutError
-        ):
+        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+            return True
+        if type(e) is openai.APIConnectionError:  # its APITimeoutError subclass is a slow backend, not a down one
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
