@@ -34,12 +34,12 @@ BAD = [
     case("lone surrogate", raw=b'{"messages": [{"role": "user", "content": "\\ud800"}]}', needle="lone surrogate"),
     case(
         "NaN temperature",
-        raw=b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        raw=b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
         needle="finite number",
     ),  # fmt: skip
     case(
         "Infinity top_p",
-        raw=b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+        raw=b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
         needle="finite number",
     ),  # fmt: skip
     # messages
@@ -91,6 +91,8 @@ BAD = [
     case("logit_bias", {**CHAT, "logit_bias": {"1": 5}}, needle="'logit_bias' is not supported"),
     case("legacy functions", {**CHAT, "functions": [{"name": "f", "parameters": {}}]}, needle="'functions'"),
     case("legacy function_call", {**CHAT, "function_call": "auto"}, needle="'function_call'"),
+    case("predicted outputs", {**CHAT, "prediction": {"type": "content", "content": "x"}}, needle="'prediction'"),
+    case("priority service tier", {**CHAT, "service_tier": "priority"}, needle="'service_tier'"),
     # the model
     case("unknown model", {**CHAT, "model": "gpt-9"}, status=404, needle="does not exist"),
 ]

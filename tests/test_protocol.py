@@ -126,3 +126,18 @@ def test_service_reply_of_malformed_or_good_tool_output(tiny):
         deltas = [t for e in events for t in e["choices"][0]["delta"].get("tool_calls", [])]
         assert streamed == ("" if want_calls else text) and len(deltas) == want_calls
         assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(tiny):
+    target, _ = tiny
+    service = Service(Engine(target), ServeConfig(model_name="m"))
+    text = "\n".join(f'<tool_call>{{"name": "add", "arguments": {{"a": {a}}}}}</tool_call>' for a in (1, 2))
+    for one, want in ((False, 2), (True, 1)):
+        req = Parsed(
+            ids=[1], params=SamplingParams(max_tokens=4), effort="none", stream=False, workload="w",
+            details=False, meta_info=False, token_ids=False, tool_names=NAMES, one_call=one,
+        )  # fmt: skip
+        _, calls, finish = service.reply(req, text, "stop")
+        assert len(calls) == want and finish == "tool_calls" and '"a": 1' in calls[0]["function"]["arguments"]
+    body = {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": False}
+    assert parse_request(body, True).parallel_tool_calls is False

@@ -221,7 +221,8 @@ def test_n_logprobs_and_penalties_are_honoured(server, smollm2):
     want = generate_batch(Engine(smollm2), [CHAT["messages"]], SamplingParams(max_tokens=24, **pen))[0].text
     assert got == want and want != Engine(smollm2).generate(CHAT["messages"], SamplingParams(max_tokens=24)).text
 
-    ends = [json.loads(post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 64, **kw})[1])["choices"][0]
+    short = {**CHAT, "max_tokens": 64, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    ends = [json.loads(post(server, "/v1/chat/completions", {**short, **kw})[1])["choices"][0]
             for kw in ({}, {"ignore_eos": True})]  # fmt: skip
     assert ends[0]["finish_reason"] == "stop" and ends[1]["finish_reason"] == "length"  # ignore_eos decodes on
 

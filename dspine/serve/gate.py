@@ -26,15 +26,12 @@ MAX_BODY = 32 * 2**20
 def check_body(raw: bytes, content_type: str, chat: bool, models: set[str]) -> tuple[int, dict] | None:
     """A request body the proxy would pass on -> None, or (status, OpenAI error body)."""
     try:
-        doc = read_json(raw)
-        if isinstance(doc, dict) and not isinstance(doc.get("model"), str):
-            raise RequestInvalid(f"'model' is required: one of {sorted(models)}", "model")
+        doc = read_json(raw, content_type)
         parse_request(doc, chat, refuse_unsupported=False)  # the backend decides what it implements
+        if not isinstance(doc.get("model"), str):
+            raise RequestInvalid(f"'model' is required: one of {sorted(models)}", "model")
     except RequestInvalid as e:
-        msg = str(e)
-        if "not valid JSON" in msg and "json" not in content_type:
-            msg += f" (sent as {content_type or 'no Content-Type'}: this endpoint takes a JSON body)"
-        return 400, error_body(msg, 400, e.param)
+        return 400, error_body(str(e), 400, e.param)
     if models and doc["model"] not in models:
         msg = f"model {doc['model']!r} does not exist; this proxy serves {sorted(models)}"
         return 404, error_body(msg, 404, "model", "model_not_found")

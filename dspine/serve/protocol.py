@@ -5,8 +5,9 @@ and that carry `tool_calls`, `tool` messages with a `tool_call_id`, `tools` and 
 required / a named function); unknown fields are ignored, as OpenAI-compatible servers do, but every known
 field is checked and a wrong one is named in the 400. `n` (choices, decoded side by side), `logprobs` /
 `top_logprobs` (the target's own distribution) and presence/frequency penalties are honoured; known fields
-the engine does not implement (`logit_bias`, `response_format` other than text, legacy `functions`, completions'
-`echo` / `best_of` / `suffix`) are refused by name rather than silently ignored.
+the engine does not implement (`logit_bias`, `response_format` other than text, legacy `functions`, predicted
+outputs, web search, audio, a service tier other than auto/default, completions' `echo` / `best_of` / `suffix`)
+are refused by name rather than silently ignored; `parallel_tool_calls: false` keeps the first call only.
 
 Tools reach the target through its chat template when the template has a tools section (`tools=` is passed
 to it); otherwise they go into a system block (`tools_system_block`) in the Hermes/Qwen layout:
@@ -135,6 +136,7 @@ class _Request(_Model):
     ignore_eos: Bool = False  # vLLM's and SGLang's field: decode past the end-of-sequence token
     user: str | None = None
     stream_options: dict[str, Any] | None = None  # usage always comes in the last chunk
+    store: Bool | None = None  # every request is recorded by the server anyway (/v1/dspine/requests)
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     timeout: Annotated[Float, Field(gt=0)] | None = None  # seconds this request may decode (then aborted)
     presence_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
@@ -148,6 +150,11 @@ UNSUPPORTED = {
     "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
     "functions": lambda v: False,  # the legacy form of tools
     "function_call": lambda v: False,
+    "prediction": lambda v: False,  # predicted outputs
+    "web_search_options": lambda v: False,
+    "audio": lambda v: False,
+    "modalities": lambda v: v == ["text"],
+    "service_tier": lambda v: v in ("auto", "default"),
     "echo": lambda v: v is False,
     "best_of": lambda v: v == 1,
     "suffix": lambda v: v == "",
@@ -255,13 +262,19 @@ class RequestInvalid(ValueError):
         self.param = param
 
 
-def read_json(raw: bytes) -> Any:
-    """A request body -> its JSON value, or RequestInvalid naming what is wrong with it."""
+def read_json(raw: bytes, content_type: str = "application/json") -> Any:
+    """A request body -> its JSON value, or RequestInvalid naming what is wrong with it (and the Content-Type,
+    when that was not JSON either)."""
     try:
         body = json.loads(raw or b"null")
         json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate (\\ud800) cannot be encoded
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestInvalid(f"the request body is not valid JSON: {e}", None) from None
+        sent = (
+            ""
+            if "json" in content_type
+            else f" (sent as {content_type or 'no Content-Type'}: this endpoint takes a JSON body)"
+        )
+        raise RequestInvalid(f"the request body is not valid JSON: {e}{sent}", None) from None
     except RecursionError:
         raise RequestInvalid("the request body is nested too deeply", None) from None
     except UnicodeEncodeError:

@@ -110,6 +110,7 @@ class Parsed:
     meta_info: bool
     token_ids: bool
     tool_names: set[str] | None  # the offered functions; None: no tools, the reply is plain content
+    one_call: bool = False  # parallel_tool_calls false: at most one tool call per reply
     n: int = 1  # choices
     timeout_s: float | None = None  # decoding longer than this aborts the request
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
@@ -341,6 +342,7 @@ class Service:
             meta_info=req.return_meta_info,
             token_ids=req.return_token_ids,
             tool_names={t.function.name for t in tools} if tools else None,
+            one_call=chat and req.parallel_tool_calls is False,
             n=req.n,
             timeout_s=min((t for t in (req.timeout, self.cfg.request_timeout_s) if t), default=None),
         )
@@ -498,7 +500,7 @@ class Service:
         if req.tool_names is None:
             return text, [], finish_reason
         content, calls = parse_tool_calls(text, req.tool_names)
-        return (content, calls, "tool_calls") if calls else (text, [], finish_reason)
+        return (content, calls[:1] if req.one_call else calls, "tool_calls") if calls else (text, [], finish_reason)
 
     def response(self, req: Parsed, rec: RequestRecord, results: list, chat: bool) -> dict:
         choices = []
@@ -643,10 +645,10 @@ async def run_watched(request, service: Service, req: Parsed) -> tuple[RequestRe
     return task.result()
 
 
-def read_json(raw: bytes):
+def read_json(raw: bytes, content_type: str = "application/json"):
     """A request body -> its JSON value, or BadRequest naming what is wrong with it."""
     try:
-        return protocol_read_json(raw)
+        return protocol_read_json(raw, content_type)
     except RequestInvalid as e:
         raise BadRequest(str(e)) from None
 
@@ -687,7 +689,7 @@ async def complete(request, service: Service, chat: bool):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     try:
-        req = service.parse(read_json(await request.body()), chat)
+        req = service.parse(read_json(await request.body(), request.headers.get("content-type", "").lower()), chat)
         service.admit()
     except BadRequest as e:
         return error_response(service, e)
