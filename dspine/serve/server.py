@@ -418,9 +418,8 @@ class Service:
     def run(self, req: Parsed, on_token=None, gone: threading.Event | None = None) -> tuple[RequestRecord, list]:
         """Decode one request's `n` choices -> (its record, one GenerationResult per choice). A choice aborts at
         its next token once `gone` is set (the client left), its time limit has passed or the shutdown grace period
-        is over;
-        `on_token(choice, token)` returning False aborts that choice too. Choice i of a seeded request draws
-        from seed + i."""
+        is over; `on_token(choice, token)` returning False aborts that choice too. Choice i of a seeded request
+        draws from seed + i."""
         t0 = time.time()
         until = t0 + req.timeout_s if req.timeout_s else float("inf")
 
