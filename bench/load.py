@@ -22,9 +22,9 @@ import secrets
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from dspine.adapt.deployment import call_json
 from dspine.io import atomic_write_text, md_table, provenance, update_summary
 from dspine.serve.loadtest import LONG_PROMPT, run_load
 
@@ -37,25 +37,18 @@ def parse_scenario(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"scenario {text!r} is not S or S+L (client counts)") from None
 
 
-def _get(url: str, key: str | None = None, body: dict | None = None) -> dict:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    data = json.dumps(body).encode() if body is not None else None
-    with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=120) as r:
-        return json.loads(r.read())
-
-
 def long_max_tokens(proxy: str, backend: str, key: str, model: str) -> int:
     """The room the long prompt leaves in the target's window: max_model_len - its prompt tokens."""
-    window = _get(backend.rstrip("/") + "/v1/models")["data"][0]["max_model_len"]
+    window = call_json(backend.rstrip("/") + "/v1/models")["data"][0]["max_model_len"]
     probe = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": LONG_PROMPT}]}
-    used = _get(proxy.rstrip("/") + "/v1/chat/completions", key, probe)["usage"]["prompt_tokens"]
+    used = call_json(proxy.rstrip("/") + "/v1/chat/completions", probe, key)["usage"]["prompt_tokens"]
     return window - used
 
 
 def wait_idle(backend: str, timeout: float = 300) -> None:
     """Until the server has nothing admitted (abandoned rows aborted), so scenarios do not overlap."""
     deadline = time.time() + timeout
-    while time.time() < deadline and _get(backend.rstrip("/") + "/health")["admitted"]:
+    while time.time() < deadline and call_json(backend.rstrip("/") + "/health")["admitted"]:
         time.sleep(1)
 
 
@@ -75,9 +68,7 @@ def main() -> int:
     ap.add_argument("--out", help="JSON result file")
     ap.add_argument("--summary", help="summary.json whose `load` section is rewritten")
     a = ap.parse_args()
-    if isinstance(a.scenarios, str):
-        a.scenarios = [parse_scenario(x) for x in a.scenarios.split(",")]
-    procs, stop = [], None
+    procs = []
     runs = []
     try:
         if a.start:

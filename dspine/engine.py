@@ -320,6 +320,8 @@ class BatchDecode:
     distribution (before temperature, top-k/p and penalties). `on_tokens[i]` sees row i's tokens as they are
     committed (False aborts that row); `tags[i]` names row i in what pop_finished returns (default: i)."""
 
+    _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished")  # per-row Python state
+
     @torch.no_grad()
     def __init__(self, engine: Engine, prompts: list, params=None, on_tokens: list | None = None, tags=None):
         per_row = params if isinstance(params, list) else [params] * len(prompts)
@@ -464,7 +466,7 @@ class BatchDecode:
         out = [(self.tags[i], self._result(i)) for i in done]
         keep = [i for i, f in enumerate(self.finished) if not f]
         idx = torch.tensor(keep, dtype=torch.long, device=self.valid.device)
-        for name in ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished"):
+        for name in self._ROW_LISTS:
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         self.valid, self.committed = self.valid[idx], self.committed[idx]
         if self.counts is not None:
@@ -510,7 +512,7 @@ class BatchDecode:
             z = lambda b: b.counts if b.counts is not None else torch.zeros(len(b), V, device=b.valid.device)
             self.counts = torch.cat([z(self), z(other)])
         self.valid, self.committed = torch.cat([self.valid, other.valid]), torch.cat([self.committed, other.committed])
-        for name in ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished"):
+        for name in self._ROW_LISTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.peak = [max(p, len(self)) for p in self.peak]
 
@@ -527,10 +529,6 @@ class BatchDecode:
             batch_size=self.peak[i],
             logprobs=s.logprobs,
         )
-
-    def results(self) -> list[GenerationResult]:
-        """Every row still in the batch, in order."""
-        return [self._result(i) for i in range(len(self))]
 
 
 @torch.no_grad()

@@ -19,8 +19,15 @@ import os
 
 from dspine.serve.protocol import RequestInvalid, error_body, parse_request, read_json
 
+KEY_REFUSED = "invalid or missing proxy key (Authorization: Bearer <key>)"
 CHAT_PATHS = {"/v1/chat/completions": True, "/chat/completions": True, "/v1/completions": False, "/completions": False}
 MAX_BODY = 32 * 2**20
+
+
+def key_matches(given: str | None, key: str | None = None) -> bool:
+    """Constant-time comparison with the proxy's master key (None: DSPINE_PROXY_KEY); no key set: nothing matches."""
+    key = key if key is not None else os.environ.get("DSPINE_PROXY_KEY", "")
+    return bool(key) and hmac.compare_digest((given or "").encode(), key.encode())
 
 
 def check_body(raw: bytes, content_type: str, chat: bool, models: set[str]) -> tuple[int, dict] | None:
@@ -48,7 +55,7 @@ class RequestGate:
     def _authenticated(self, headers: dict) -> bool:
         auth = headers.get(b"authorization", b"").decode("latin-1")
         given = auth[7:] if auth.lower().startswith("bearer ") else headers.get(b"api-key", b"").decode("latin-1")
-        return bool(self.key) and hmac.compare_digest(given.encode(), self.key.encode())
+        return key_matches(given, self.key)
 
     async def __call__(self, scope, receive, send):
         chat = CHAT_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -56,8 +63,7 @@ class RequestGate:
         if chat is None or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         if not self._authenticated(headers):
-            msg = "invalid or missing proxy key (Authorization: Bearer <key>)"
-            return await _answer(send, 401, error_body(msg, 401, "api_key"))
+            return await _answer(send, 401, error_body(KEY_REFUSED, 401, "api_key"))
         raw, more = b"", True
         while more:
             msg = await receive()

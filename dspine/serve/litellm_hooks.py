@@ -21,13 +21,13 @@ DSPINE_PROXY_KEY.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import (the cost map is local)
 
 from litellm.integrations.custom_logger import CustomLogger
 
+from dspine.serve.gate import KEY_REFUSED, key_matches
 from dspine.serve.metrics import AcceptanceMetrics
 from dspine.serve.records import RequestRecord
 from dspine.serve.store import AcceptanceStore
@@ -188,11 +188,10 @@ async def auth(request, api_key: str):
     """LiteLLM custom_auth: the master key (DSPINE_PROXY_KEY) or 401."""
     from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 
-    key = os.environ.get("DSPINE_PROXY_KEY", "")
-    if key and hmac.compare_digest((api_key or "").encode(), key.encode()):
+    if key_matches(api_key):
         return UserAPIKeyAuth(api_key=api_key)
     raise ProxyException(
-        message="invalid or missing proxy key (Authorization: Bearer <key>)",
+        message=KEY_REFUSED,
         type="auth_error",
         param="api_key",
         code=401,

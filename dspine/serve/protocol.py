@@ -25,6 +25,7 @@ object naming an offered function is one call. Anything malformed stays plain co
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import uuid
@@ -327,10 +328,14 @@ def logprobs_doc(entries: list, decode, chat: bool) -> dict:
     {"content": [{token, logprob, bytes, top_logprobs}]}; completions {tokens, token_logprobs, top_logprobs,
     text_offset}. `entries`: [(token id, (logprob, top))]; `decode`: id -> text."""
     if chat:
-        item = lambda t, lp: {"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
+
+        def item(t, lp):
+            text = decode(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
         return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, (lp, top) in entries]}
     tokens = [decode(t) for t, _ in entries]
-    offsets = [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
+    offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=0)) if tokens else []
     return {
         "tokens": tokens,
         "token_logprobs": [lp for _, (lp, _) in entries],

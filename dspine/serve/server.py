@@ -84,7 +84,7 @@ def thinking_mode(model_type: str) -> dict:
 
 def apply_reasoning_effort(model_type: str, messages: list[dict], effort: str) -> tuple[list[dict], dict]:
     """-> (messages, chat-template kwargs) for the target's notion of thinking (see thinking_mode)."""
-    if model_type.startswith("qwen3"):
+    if thinking_mode(model_type)["mode"] == "enable_thinking":
         return messages, {"enable_thinking": effort != "none"}
     if effort == "none":
         return messages, {}
