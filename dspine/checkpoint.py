@@ -201,7 +201,8 @@ def load_drafter(
         raise CheckpointError(f"{wfile}: weight shapes do not match the config: {bad[:4]}")
     model.load_state_dict(state, strict=True)
     stored = next(v.dtype for k, v in state.items() if k not in DERIVED)
-    return model.to(device=device, dtype=dtype or stored).eval()
+    model = model.to(device=device, dtype=dtype or stored).eval()
+    return model.bind(target) if target is not None else model  # borrowed tensors in the final dtype
 
 
 def needs_target(path: str | Path) -> bool:
@@ -272,11 +273,34 @@ def load_at(
     return d
 
 
-def load_models(target_spec: str, dtype: str, device: str, drafters: dict) -> tuple:
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+
+
+def draft_dtype(name: str | None, target_dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
+    """The dtype a drafter decodes in. Drafts need no exactness (the target verifies every token in its own
+    dtype), so "auto" is bfloat16 on a CPU with native bf16 matrix instructions — half the bytes per draft
+    and candidate head — and the target's dtype elsewhere; None is the target's dtype."""
+    if name is None:
+        return target_dtype
+    if name not in DRAFT_DTYPES:
+        raise CheckpointError(f"draft dtype {name!r} is not one of {list(DRAFT_DTYPES)}")
+    if name != "auto":
+        return getattr(torch, name)
+    cpu_bf16 = torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+    if cpu_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return target_dtype
+
+
+def load_models(
+    target_spec: str, dtype: str, device: str, drafters: dict, drafter_dtype: str | None = None
+) -> tuple:
     """-> (the target, {name: drafter bound to it}) from a target spec, a dtype name, a device and
-    {name: checkpoint folder, or (folder, decode knobs) as `load_at` takes}."""
+    {name: checkpoint folder, or (folder, decode knobs) as `load_at` takes}; `drafter_dtype` as `draft_dtype`
+    takes it (None: the target's)."""
     from dspine.target import load_target
 
     dt = getattr(torch, dtype)
     target = load_target(target_spec, dtype=dt, device=device)
-    return target, {n: load_at(p, target, dt, device) for n, p in drafters.items()}
+    ddt = draft_dtype(drafter_dtype, dt, device)
+    return target, {n: load_at(p, target, ddt, device) for n, p in drafters.items()}

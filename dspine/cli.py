@@ -30,6 +30,16 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
 
 
+def _add_draft_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16", "float64"),
+        help="dtype the drafter decodes in; drafts need no exactness (the target verifies every token in "
+        "--dtype), so auto is bfloat16 on a CPU with native bf16 instructions, else --dtype (default: %(default)s)",
+    )
+
+
 def _add_generate(sub) -> None:
     g = sub.add_parser(
         "generate",
@@ -39,6 +49,7 @@ def _add_generate(sub) -> None:
         "committed per target verify round).",
     )
     _add_target(g)
+    _add_draft_dtype(g)
     g.add_argument(
         "--drafter",
         help="drafter checkpoint folder (config.json + model.safetensors), 'builtin' or 'none' (default: builtin "
@@ -130,6 +141,7 @@ def _add_serve(sub) -> None:
         "shape (return_spec_tokens_details / return_meta_info).",
     )
     _add_target(s)
+    _add_draft_dtype(s)
     s.add_argument(
         "--drafter",
         help="drafter checkpoint folder, 'builtin' (the drafter shipped for the built-in target) or 'none' "
@@ -283,6 +295,7 @@ def _add_bench(sub) -> None:
         "exported for SGLang first (bf16).",
     )
     _add_target(bn)
+    _add_draft_dtype(bn)
     bn.add_argument(
         "--backend",
         choices=("engine", "sglang"),
@@ -418,6 +431,12 @@ def _dtype(name: str):
     return getattr(torch, name)
 
 
+def _draft_dtype(a, target):
+    from dspine.checkpoint import draft_dtype
+
+    return draft_dtype(a.draft_dtype, target.dtype, a.device)
+
+
 def _engine(target, drafter, draft_len: int | None):
     from dspine.engine import Engine
 
@@ -446,7 +465,7 @@ def cmd_generate(a) -> int:
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = None
     if method != "ar":
-        drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device)
+        drafter = load_drafter(a.drafter, target, dtype=_draft_dtype(a, target), device=a.device)
     engine = _engine(target, drafter, a.draft_len)
     if a.chat:
         with open(a.chat) as f:
@@ -581,9 +600,10 @@ def cmd_serve(a) -> int:
         raise UsageError("--max-batch and --max-queue must be >= 1, --grace-seconds >= 0, --request-timeout > 0")
     a.drafter = resolve_drafter(a.drafter, a.target, default=True)
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
-    drafter = load_drafter(a.drafter, target, dtype=_dtype(a.dtype), device=a.device) if a.drafter else None
+    drafter = load_drafter(a.drafter, target, dtype=_draft_dtype(a, target), device=a.device) if a.drafter else None
     cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch, max_queue=a.max_queue,
-                      grace_s=a.grace_seconds, admin_key=a.admin_key, request_timeout_s=a.request_timeout)  # fmt: skip
+                      grace_s=a.grace_seconds, admin_key=a.admin_key, request_timeout_s=a.request_timeout,
+                      draft_dtype=a.draft_dtype)  # fmt: skip
     name = drafter_label(a.drafter) if a.drafter else None
     serve(_engine(target, drafter, a.draft_len), a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter)
     return 0
@@ -667,7 +687,7 @@ def _load_models(a, specs: dict[str, str]):
     """The target of --target/--dtype/--device and the named drafters bound to it."""
     from dspine.checkpoint import load_models
 
-    return load_models(a.target, a.dtype, a.device, specs)
+    return load_models(a.target, a.dtype, a.device, specs, getattr(a, "draft_dtype", None))
 
 
 def cmd_bench(a) -> int:

@@ -125,12 +125,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dt)
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """x (N, H, Q, hd), pos (N, Q) -> rotated (neox half-split, as HF Llama/Qwen3)."""
-    hd = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+def rope_angles(pos: torch.Tensor, hd: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos (N, Q) -> (cos, sin) each (N, 1, Q, hd) fp32: computed once per forward, shared by every layer."""
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=pos.device, dtype=torch.float32) / hd))
     ang = pos.to(torch.float32)[:, None, :, None] * inv  # (N, 1, Q, hd/2)
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos(), ang.sin()
+
+
+def rope(x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x (N, H, Q, hd), cs = rope_angles(pos) -> rotated (neox half-split, as HF Llama/Qwen3)."""
+    cos, sin = cs
     x1, x2 = x.float().chunk(2, dim=-1)
     rot = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rot * sin).to(x.dtype)
@@ -140,7 +145,7 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DSpineConfig):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.nh, self.nkv, self.hd, self.theta = cfg.num_attention_heads, cfg.num_key_value_heads, hd, cfg.rope_theta
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.q_proj = nn.Linear(d, self.nh * hd, bias=False)
         self.k_proj = nn.Linear(d, self.nkv * hd, bias=False)
         self.v_proj = nn.Linear(d, self.nkv * hd, bias=False)
@@ -148,27 +153,36 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def kv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (N, n, d), pos (N, n) -> k, v (N, Hkv, n, hd), k normed and rotated."""
+    def kv(self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, n, d), cs = rope_angles of positions (N, n) -> k, v (N, Hkv, n, hd), k normed and rotated."""
         N, n, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(N, n, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(N, n, self.nkv, self.hd).transpose(1, 2)
-        return rope(k, pos, self.theta), v
+        return rope(k, cs), v
 
     def forward(
-        self, x: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cs: tuple[torch.Tensor, torch.Tensor],
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x (N, Q, d) block slots; ctx_k/v (N, Hkv, C, hd); mask (N, 1, Q, C + Q) bool or None (all visible)."""
+        """x (N, Q, d) block slots; cs = rope_angles of their positions; ctx_k/v (N, Hkv, C, hd); mask
+        (N, 1, Q, C + Q) bool or None (all visible)."""
         N, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, Q, self.nh, self.hd)).transpose(1, 2)
-        q = rope(q, pos, self.theta)
-        k, v = self.kv(x, pos)
+        q = rope(q, cs)
+        k, v = self.kv(x, cs)
         k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
         v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
         rep = self.nh // self.nkv
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if rep > 1 and x.device.type == "cpu":  # shared K/V heads inside the CPU kernel: several times faster
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:  # CUDA's memory-efficient kernel (masks, training) takes no enable_gqa: it would fall back to math
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(N, Q, self.nh * self.hd))
 
 
@@ -191,8 +205,8 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def forward(self, h, pos, ctx_k, ctx_v, mask):
-        h = h + self.self_attn(self.input_layernorm(h), pos, ctx_k, ctx_v, mask)
+    def forward(self, h, cs, ctx_k, ctx_v, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cs, ctx_k, ctx_v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -321,8 +335,11 @@ class DSpineDraftModel(nn.Module):
                 f"drafter expects a target with {self.config.num_target_layers} layers, "
                 f"target {target.name!r} has {info.num_layers}"
             )
-        self._embed = target.embed.weight.detach()
-        self._head = target.head_weight.detach()
+        # in the drafter's dtype, converted once (a bf16 drafter beside an fp32 target reads half the bytes)
+        dt = self.fc.weight.dtype
+        self._embed = target.embed.weight.detach().to(dt)
+        tied = target.head_weight is target.embed.weight
+        self._head = self._embed if tied else target.head_weight.detach().to(dt)
         return self
 
     @property
@@ -335,7 +352,8 @@ class DSpineDraftModel(nn.Module):
     def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """feats (N, C, m*d) target-layer features, pos (N, C) -> per layer (k, v) each (N, Hkv, C, hd)."""
         c = self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
-        return [layer.self_attn.kv(c, pos) for layer in self.layers]
+        cs = rope_angles(pos, self.config.head_dim, self.config.rope_theta)
+        return [layer.self_attn.kv(c, cs) for layer in self.layers]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (..., d) -> logits (..., V) through the drafter's final norm and the target head."""
@@ -362,7 +380,7 @@ class DSpineDraftModel(nn.Module):
         N, nb, B = block_ids.shape
         dtype = self.fc.weight.dtype
         h = F.embedding(block_ids, self._embed).to(dtype)  # (N, nb, B, d)
-        pos = block_pos.reshape(N, nb * B)
+        cs = rope_angles(block_pos.reshape(N, nb * B), self.config.head_dim, self.config.rope_theta)
         if mask is None and self.config.is_causal:
             C = ctx_kv[0][0].shape[2]
             mask = block_attention_mask(torch.ones(N, nb, C, dtype=torch.bool, device=h.device), B, True)
@@ -373,7 +391,7 @@ class DSpineDraftModel(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k, v = ctx_kv[i]
-            h = layer(h.reshape(N, nb * B, -1), pos, k, v, mask).reshape(N, nb, B, -1)
+            h = layer(h.reshape(N, nb * B, -1), cs, k, v, mask).reshape(N, nb, B, -1)
             if str(i) in self.injections:
                 if i == last:
                     h_pre = h

@@ -217,19 +217,42 @@ class Target:
         Returns logits (N, n, V) in fp32 and, when `layer_ids` is given, the concatenated outputs of those
         target layers (N, n, len(layer_ids) * d) — DFlash's context features before its fc.
         """
-        out = self.model(
+        kw = dict(
             input_ids=input_ids,
-            **{self._cache_kw: cache},
             use_cache=cache is not None,
             output_hidden_states=layer_ids is not None,
             attention_mask=attention_mask,
             position_ids=position_ids,
         )
+        kw[self._cache_kw] = cache
+        small = self._own_head and input_ids.numel() <= 256
+        if small:  # the decoder alone, then the head as W @ h^T (see _own_head)
+            out = self.model.get_decoder()(**kw)
+            h = out.last_hidden_state
+            logits = (self.head_weight @ h.reshape(-1, h.shape[-1]).t()).t().reshape(*h.shape[:-1], -1)
+        else:
+            out = self.model(**kw)
+            logits = out.logits
         feats = None
         if layer_ids is not None:
             hs = out.hidden_states  # [embeddings, layer 0 out, layer 1 out, ...]
             feats = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
-        return out.logits.float(), feats
+        return logits.float(), feats
+
+    @functools.cached_property
+    def _own_head(self) -> bool:
+        """Whether decode-sized forwards apply the output head themselves: on a CPU in fp32, a GEMM of a few
+        rows against the (V, d) head packs the whole head on every call; W @ h^T does not (measured in
+        bench/results/engine_cpu.md). Only for plain heads: no bias, no logit soft-capping or scaling."""
+        head = self.model.get_output_embeddings()
+        plain = (
+            isinstance(head, torch.nn.Linear)
+            and head.bias is None
+            and getattr(self.model.config, "final_logit_softcapping", None) is None
+            and getattr(self.model.config, "logit_scale", None) is None
+            and hasattr(self.model, "get_decoder")
+        )
+        return plain and self.device.type == "cpu" and self.dtype == torch.float32
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:

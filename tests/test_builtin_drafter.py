@@ -44,12 +44,17 @@ def test_shipped_weights_are_bf16_without_the_code_table(smollm2, shipped):
     assert torch.equal(shipped.transfer_codes, want)
 
 
-def test_shipped_drafter_is_lossless_and_trained(smollm2, shipped):
-    """Exact AR output at T = 0 on two held-out benchmark prompts, and more than one token per round (a
-    drafter whose weights were lost or mis-mapped serves tau = 1.0 while still being lossless)."""
-    spec, ar = Engine(smollm2, shipped), Engine(smollm2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shipped_drafter_is_lossless_and_trained(smollm2, shipped, dtype):
+    """Exact AR output at T = 0 on held-out benchmark prompts, and more than one token per round (a drafter
+    whose weights were lost or mis-mapped serves tau = 1.0 while still being lossless) — also when it
+    drafts in bf16 beside the fp32 target (the CPU default, `--draft-dtype auto`), reading a bf16 copy of
+    the target's head made once, not per call."""
+    drafter = shipped if dtype == torch.float32 else load_drafter(builtin_drafter("smollm2-135m-instruct"), smollm2)
+    assert drafter.fc.weight.dtype == dtype and drafter.head.dtype == dtype
+    spec, ar = Engine(smollm2, drafter), Engine(smollm2)
     taus = []
-    for item in load_benchmark("gsm8k", limit=2):
+    for item in load_benchmark("gsm8k", limit=2 if dtype == torch.float32 else 1):
         p = SamplingParams(max_tokens=48)
         r = spec.generate(item.turns[0], p)
         assert r.token_ids == ar.generate(item.turns[0], p).token_ids

@@ -256,3 +256,25 @@ def test_logprobs_are_the_targets_own_distribution(tiny):
             assert max(abs(v - float(r)) for (_, v), r in zip(top, ref.values)) < 1e-4
     with pytest.raises(Exception, match="logprobs must be in"):
         generate_batch(eng, prompts, SamplingParams(logprobs=21))
+
+
+def test_decode_forwards_give_the_models_own_logits_and_features(tiny):
+    """Target.forward applies the output head itself on decode-sized CPU fp32 forwards (Target._own_head):
+    logits and layer features equal what the model's own forward returns, through a prefill and a decode
+    step on the KV cache, with an attention mask and positions as batched decoding passes them."""
+    target, _ = tiny
+    assert target._own_head
+    layers = [0, 2, 5]
+    ids = torch.randint(0, target.info.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :2] = 0  # row 1: two padded columns in front
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ours, theirs = target.new_cache(), target.new_cache()
+    for sl in (slice(0, 9), slice(9, 12)):
+        step = ids[:, sl] if sl.start == 0 else torch.randint(0, target.info.vocab_size, (2, 3))
+        kw = dict(attention_mask=mask[:, : sl.stop], position_ids=pos[:, sl])
+        logits, feats = target.forward(step, ours, layers, **kw)
+        out = target.model(input_ids=step, use_cache=True, output_hidden_states=True, **{target._cache_kw: theirs}, **kw)
+        torch.testing.assert_close(logits, out.logits.float(), rtol=1e-5, atol=1e-5)
+        want = torch.cat([out.hidden_states[i + 1] for i in layers], -1)
+        torch.testing.assert_close(feats, want, rtol=0, atol=0)

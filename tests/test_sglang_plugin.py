@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from dspine.checkpoint import save_drafter
 from dspine.config import ConfigError
 from dspine.decoding import propose, transition_scores
-from dspine.drafter import DSpineDraftModel
+from dspine.drafter import DSpineDraftModel, rope_angles
 from dspine.sampling import SamplingParams
 from dspine.sglang.export import export_sglang
 from dspine.sglang.plugin.core import (
@@ -96,8 +96,9 @@ def test_flat_layout_forward_and_proposal_match_dspine(method):
         h = torch.nn.functional.embedding(flat_ids, d._embed)
         anchor_code = d.transfer_codes[flat_ids.view(-1, B)[:, 0]]
         state, last = {}, cfg.num_hidden_layers - 1
+        cs = rope_angles(pos.view(N, B), cfg.head_dim, cfg.rope_theta)
         for i, layer in enumerate(d.layers):
-            h = layer(h.view(N, B, -1), pos.view(N, B), *ctx[i], None).reshape(N * B, -1)
+            h = layer(h.view(N, B, -1), cs, *ctx[i], None).reshape(N * B, -1)
             if str(i) in d.injections:
                 if i == last:
                     state["h_pre"] = h

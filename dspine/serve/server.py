@@ -71,6 +71,7 @@ class ServeConfig:
     stall_s: float = 300.0  # /health reports the decode loop dead when a batch makes no progress this long
     admin_key: str | None = None  # bearer key of POST /v1/dspine/drafter (the drafter swap); None: swap disabled
     request_timeout_s: float | None = None  # a request decoding longer is aborted (its own `timeout` may ask less)
+    draft_dtype: str | None = None  # drafters swapped in decode in it (checkpoint.draft_dtype; None: the target's)
 
 
 def thinking_mode(model_type: str) -> dict:
@@ -398,10 +399,11 @@ class Service:
         """Serve another drafter ("none": AR): loaded and checked against the target first (a wrong or broken
         checkpoint raises CheckpointError and the current one keeps serving); batches already decoding
         finish on the old drafter, new ones start on the new -> {"previous", "current"}."""
-        from dspine.checkpoint import load_drafter
+        from dspine.checkpoint import draft_dtype, load_drafter
 
         tgt = self.engine.target
-        drafter = None if path == "none" else load_drafter(path, tgt, dtype=tgt.dtype, device=tgt.device)
+        dtype = draft_dtype(self.cfg.draft_dtype, tgt.dtype, tgt.device)
+        drafter = None if path == "none" else load_drafter(path, tgt, dtype=dtype, device=tgt.device)
         keep = self.engine.draft_len if drafter is not None and self.engine.drafter is not None else None
         B = drafter.config.block_size if drafter is not None else 1
         engine = Engine(tgt, drafter, keep if keep is not None and keep <= B - 1 else None)
