@@ -292,9 +292,7 @@ def draft_dtype(name: str | None, target_dtype: torch.dtype, device: str | torch
     return target_dtype
 
 
-def load_models(
-    target_spec: str, dtype: str, device: str, drafters: dict, drafter_dtype: str | None = None
-) -> tuple:
+def load_models(target_spec: str, dtype: str, device: str, drafters: dict, drafter_dtype: str | None = None) -> tuple:
     """-> (the target, {name: drafter bound to it}) from a target spec, a dtype name, a device and
     {name: checkpoint folder, or (folder, decode knobs) as `load_at` takes}; `drafter_dtype` as `draft_dtype`
     takes it (None: the target's)."""

@@ -272,9 +272,10 @@ def test_decode_forwards_give_the_models_own_logits_and_features(tiny):
     ours, theirs = target.new_cache(), target.new_cache()
     for sl in (slice(0, 9), slice(9, 12)):
         step = ids[:, sl] if sl.start == 0 else torch.randint(0, target.info.vocab_size, (2, 3))
-        kw = dict(attention_mask=mask[:, : sl.stop], position_ids=pos[:, sl])
-        logits, feats = target.forward(step, ours, layers, **kw)
-        out = target.model(input_ids=step, use_cache=True, output_hidden_states=True, **{target._cache_kw: theirs}, **kw)
+        kw = dict(attention_mask=mask[:, : sl.stop], position_ids=pos[:, sl], use_cache=True)
+        kw[target._cache_kw] = theirs
+        logits, feats = target.forward(step, ours, layers, attention_mask=kw["attention_mask"], position_ids=pos[:, sl])
+        out = target.model(input_ids=step, output_hidden_states=True, **kw)
         torch.testing.assert_close(logits, out.logits.float(), rtol=1e-5, atol=1e-5)
         want = torch.cat([out.hidden_states[i + 1] for i in layers], -1)
         torch.testing.assert_close(feats, want, rtol=0, atol=0)
