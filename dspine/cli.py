@@ -295,7 +295,13 @@ def _add_bench(sub) -> None:
         "exported for SGLang first (bf16).",
     )
     _add_target(bn)
-    _add_draft_dtype(bn)
+    bn.add_argument(
+        "--draft-dtype",
+        default="auto",
+        help="dtype(s) the drafters decode in, comma-separated to compare them side by side (each drafter then "
+        "reported as NAME/DTYPE): auto (bfloat16 on a CPU with native bf16 instructions, else --dtype), "
+        "float32, bfloat16, float16 (default: %(default)s)",
+    )
     bn.add_argument(
         "--backend",
         choices=("engine", "sglang"),
@@ -723,7 +729,7 @@ def cmd_bench(a) -> int:
         )
         doc = run_sglang_bench(cfg, benches, specs, conc)
     else:
-        target, drafters = _load_models(a, specs)
+        target, drafters = _bench_models(a, specs)
         doc = engine_bench(
             target,
             drafters,
@@ -745,6 +751,27 @@ def cmd_bench(a) -> int:
         atomic_write_text(Path(a.out).with_suffix(".md"), table)
     print(table)
     return 0
+
+
+def _bench_models(a, specs: dict[str, str]):
+    """The target and each drafter at every --draft-dtype (named NAME/DTYPE when several are compared)."""
+    from dspine.checkpoint import DRAFT_DTYPES, draft_dtype, load_at
+
+    names = [x for x in a.draft_dtype.split(",") if x]
+    bad = [x for x in names if x not in DRAFT_DTYPES]
+    if not names or bad:
+        raise UsageError(f"--draft-dtype {a.draft_dtype!r}: each must be one of {list(DRAFT_DTYPES)}")
+    a.draft_dtype = names[0]
+    target, drafters = _load_models(a, specs)
+    if len(names) == 1:
+        return target, drafters
+    out = {}
+    for x in names:
+        dt = draft_dtype(x, target.dtype, a.device)
+        tag = str(dt).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
+        for n, d in drafters.items():
+            out[f"{n}/{tag}"] = d if d.fc.weight.dtype == dt else load_at(specs[n], target, dt, a.device)
+    return target, out
 
 
 def _draft_lens(text: str) -> list[int]:

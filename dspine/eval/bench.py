@@ -42,7 +42,9 @@ def engine_bench(
 ) -> dict:
     """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: the items in groups of c, each
     group decoded together (engine.generate_batch), throughput and τ only. `draft_lens`: each drafter is
-    measured at each of these drafts-per-round (rows "<name>/d<D>"), side by side."""
+    measured at each of these drafts-per-round (rows "<name>/d<D>"), side by side. Every request (or group)
+    runs on all engines in turn before the next, so a machine whose speed drifts (a shared VM) shifts every
+    row alike; each row's tokens/s is over its own decoding time."""
     from tqdm.auto import tqdm
 
     items = [(b, it) for b in benchmarks for it in load_benchmark(b, limit)]
@@ -50,44 +52,51 @@ def engine_bench(
     for n, d in drafters.items():
         for D in draft_lens or [None]:
             engines[n if D is None else f"{n}/d{D}"] = Engine(target, d, D)
-    rows, tau_bench = {}, {}
     batched = [c for c in (concurrencies or [1]) if c > 1]
     bar = tqdm(total=len(items) * len(engines) * (1 + len(batched)), desc="bench", disable=not progress)
-    for name, eng in engines.items():
-        totals: dict[str, float] = {}
-        results, t0, per_bench = [], time.perf_counter(), {}
-        for i, (bench, it) in enumerate(items):
+    results = {name: [] for name in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    totals: dict[str, dict[str, float]] = {name: {} for name in engines}
+    per_bench: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
+    for i, (bench, it) in enumerate(items):
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
             res = eng.generate(
                 it.turns[0], SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=i), profile=True
             )
-            results.append(res)
+            seconds[name] += time.perf_counter() - t0
+            results[name].append(res)
             for k, v in res.timings.items():
-                totals[k] = totals.get(k, 0.0) + v
+                totals[name][k] = totals[name].get(k, 0.0) + v
             if res.stats is not None:
-                per_bench.setdefault(bench, []).append(res.stats.tau)
+                per_bench[name].setdefault(bench, []).append(res.stats.tau)
             bar.update(1)
-        row = _row(results, time.perf_counter() - t0)
+    rows, tau_bench = {}, {}
+    for name in engines:
+        row = _row(results[name], seconds[name])
         if name == "ar":
             steps = max(1, row["tokens"] - len(items))  # the first token of each request comes from the prefill
-            row["ar_step_ms"] = 1000 * totals.get("ar_step", 0.0) / steps
+            row["ar_step_ms"] = 1000 * totals[name].get("ar_step", 0.0) / steps
         else:
-            row["phase_ms_per_round"] = {p: 1000 * totals.get(p, 0.0) / max(1, row["rounds"]) for p in PHASES}
+            row["phase_ms_per_round"] = {p: 1000 * totals[name].get(p, 0.0) / max(1, row["rounds"]) for p in PHASES}
             row["round_ms"] = sum(row["phase_ms_per_round"].values())
-            tau_bench[name] = {b: sum(t) / len(t) for b, t in per_bench.items()}
+            tau_bench[name] = {b: sum(t) / len(t) for b, t in per_bench[name].items()}
         rows[name] = row
     by_conc = {"1": rows}
     for c in batched:
-        by_conc[str(c)] = {}
-        for name, eng in engines.items():
-            t0, results = time.perf_counter(), []
-            for g in range(0, len(items), c):
-                results += generate_batch(
+        results = {name: [] for name in engines}
+        seconds = dict.fromkeys(engines, 0.0)
+        for g in range(0, len(items), c):
+            for name, eng in engines.items():
+                t0 = time.perf_counter()
+                results[name] += generate_batch(
                     eng,
                     [it.turns[0] for _, it in items[g : g + c]],
                     SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=g),
                 )
+                seconds[name] += time.perf_counter() - t0
                 bar.update(len(items[g : g + c]))
-            by_conc[str(c)][name] = _row(results, time.perf_counter() - t0)
+        by_conc[str(c)] = {name: _row(results[name], seconds[name]) for name in engines}
     bar.close()
     for crows in by_conc.values():
         for row in crows.values():
