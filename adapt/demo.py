@@ -7,7 +7,7 @@ running server with a live check; a few requests through the proxy on the new dr
     python adapt/demo.py [--work runs/demo] [--episodes 3] [--steps 12] [--keep]
 
 Sizes are small enough for a 2-core machine; every stage says what it does and how long it took. --keep
-leaves the server, proxy and Ray head running (the dashboard: `dspine dashboard --db WORK/proxy.db`).
+leaves the server, proxy and Ray head running (the dashboard: `dspine dashboard --db WORK/proxy.db --loop WORK/loop`).
 """
 
 from __future__ import annotations
@@ -169,7 +169,10 @@ def main(argv=None) -> int:
         stage("result")
         print(table(it, doc))
         print("proxy requests served by: " + ", ".join(sorted({str(served.get(i)) for i in ids})))
-        print(f"\nrecords: {cfg.db}; the dashboard: dspine dashboard --db {cfg.db}  (then http://127.0.0.1:8050)")
+        print(
+            f"\nrecords: {cfg.db}; the dashboard (live τ, base vs adapted, deploys): dspine dashboard --db {cfg.db} "
+            f"--loop {work / 'loop'}  (then http://127.0.0.1:8050)"
+        )
         print(f"adapt.json / adapt.md: {work / 'loop' / 'iter-000'}; deploy history: {work / 'loop' / 'deploys.jsonl'}")
         return 0
     finally:

@@ -230,6 +230,11 @@ def _add_dashboard(sub) -> None:
     db.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     db.add_argument("--port", type=int, default=8050, help="port (default: %(default)s)")
     db.add_argument("--bucket-seconds", type=float, default=60.0, help="time-series bucket (default: %(default)s)")
+    db.add_argument(
+        "--loop",
+        help="the adaptation loop's folder (adapt/loop.py --work): also show each iteration's held-out tau base vs "
+        "adapted per workload x level and the deploy history (read on every refresh)",
+    )
 
 
 def _add_export(sub) -> None:
@@ -648,8 +653,10 @@ def cmd_dashboard(a) -> int:
 
     if not os.path.isfile(a.db):
         raise UsageError(f"no acceptance store at {a.db} (start `dspine proxy --db {a.db}` first)")
+    if a.loop and not os.path.isdir(a.loop):
+        raise UsageError(f"--loop {a.loop}: no such folder (adapt/loop.py's --work)")
     print(f"dspine dashboard: http://{a.host}:{a.port}/", file=sys.stderr)
-    serve_dashboard(a.db, a.host, a.port, a.bucket_seconds)
+    serve_dashboard(a.db, a.host, a.port, a.bucket_seconds, a.loop)
     return 0
 
 

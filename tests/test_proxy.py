@@ -234,9 +234,30 @@ def test_dashboard_renders_the_recorded_data_in_chromium(stack):
     rows = _wait_rows(db, 8)
     assert len(rows) >= 8, "the proxy test records the data this test draws"
     summary = AcceptanceStore(db).summary()
+    # the adaptation loop's folder as adapt/cycle.py and adapt/deployment.py write it: a skipped iteration, then
+    # one adapted whose drafter was deployed; the history holds an earlier refusal too
+    loop = stack["tmp"] / "loop"
+    loop.mkdir()
+    cells = {"tool/low": (1.73, 2.41), "tool/high": (1.70, 2.02), "swe/low": (1.52, 1.98)}
+    per_cell = {c: {"base": b, "adapted": a, "ratio": a / b} for c, (b, a) in cells.items()}
+    deploys = [
+        {"ts": 1.7e9, "group": "all", "drafter": "loop/iter-000/finetune/all", "action": "refused",
+         "reasons": ["office/high: τ ratio 0.984 < 1.0"], "gated_tau": 2.0},
+        {"ts": 1.7e9 + 600, "group": "all", "drafter": "loop/iter-002/finetune/all", "action": "deployed",
+         "live": {"tau": 2.31, "requests": 4}, "gated_tau": 2.2, "reasons": None},
+    ]  # fmt: skip
+    iterations = [
+        {"iteration": 0, "action": "adapted", "per_cell": {"tool/low": {"base": 1.7, "adapted": 1.6, "ratio": 0.94}},
+         "general_regression": 0.03, "deploys": [{"group": "all", "action": "refused"}]},
+        {"iteration": 1, "action": "skipped", "reason": "3 new trace rows < min_rows 8"},
+        {"iteration": 2, "action": "adapted", "per_cell": per_cell, "general_regression": 0.004,
+         "deploys": [{"group": "all", "action": "deployed"}]},
+    ]  # fmt: skip
+    (loop / "loop.json").write_text(json.dumps(iterations))
+    (loop / "deploys.jsonl").write_text("".join(json.dumps(d) + "\n" for d in deploys))
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dspine.cli", "dashboard", "--db", db, "--port", str(port)],
+        [sys.executable, "-m", "dspine.cli", "dashboard", "--db", db, "--port", str(port), "--loop", str(loop)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -289,6 +310,15 @@ def test_dashboard_renders_the_recorded_data_in_chromium(stack):
         tuple(round(p, 4) for p in c["per_slot"]) for c in summary["cells"]
     )
     assert len(re.findall(r'class="rps-point"', dom)) == len(summary["series"]) >= 1
+    # the adaptation card: the latest adapted iteration's cells, base and adapted side by side, and every deploy
+    adapt = {
+        (m.group(1), m.group(2)): float(m.group(3))
+        for m in re.finditer(r'class="adapt-bar" data-cell="([^"]+)" data-kind="([^"]+)" data-tau="([^"]+)"', dom)
+    }
+    want = {(c, k): v[k] for c, v in per_cell.items() for k in ("base", "adapted")}
+    assert adapt.keys() == want.keys() and all(adapt[k] == pytest.approx(v, abs=1e-4) for k, v in want.items())
+    assert re.findall(r'class="deploy-row" data-group="all" data-action="([a-z_]+)"', dom) == ["refused", "deployed"]
+    assert "iteration 2, general regression 0.4%" in dom and "τ ratio 0.984 &lt; 1.0" in dom
     assert shot.is_file() and shot.stat().st_size > 10_000  # the screenshot, kept as a test artifact
 
 

@@ -54,6 +54,36 @@ def engine_bench(
             engines[n if D is None else f"{n}/d{D}"] = Engine(target, d, D)
     batched = [c for c in (concurrencies or [1]) if c > 1]
     bar = tqdm(total=len(items) * len(engines) * (1 + len(batched)), desc="bench", disable=not progress)
+    rows, tau_bench = _bench_single(engines, items, max_new_tokens, temperature, bar)
+    by_conc = {"1": rows}
+    for c in batched:
+        by_conc[str(c)] = _bench_batched(engines, items, c, max_new_tokens, temperature, bar)
+    bar.close()
+    for crows in by_conc.values():
+        for row in crows.values():
+            row["speedup_vs_ar"] = row["tokens_per_s"] / crows["ar"]["tokens_per_s"]
+    ar = rows["ar"]
+    for name, row in rows.items():
+        if name != "ar" and ar["ar_step_ms"]:
+            row["round_over_ar_step"] = row["round_ms"] / ar["ar_step_ms"]
+    return {
+        "backend": "engine",
+        "concurrency": 1,
+        "rows": rows,
+        "by_concurrency": by_conc if batched else None,
+        "tau_per_benchmark_c1": tau_bench,
+        "benchmarks": benchmarks,
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "target": target.name,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        **provenance(),
+    }
+
+
+def _bench_single(engines: dict, items: list, max_new_tokens: int, temperature: float, bar) -> tuple[dict, dict]:
+    """Concurrency 1, phases timed, every request on all engines in turn -> (rows, τ per benchmark per row)."""
     results = {name: [] for name in engines}
     seconds = dict.fromkeys(engines, 0.0)
     totals: dict[str, dict[str, float]] = {name: {} for name in engines}
@@ -82,43 +112,24 @@ def engine_bench(
             row["round_ms"] = sum(row["phase_ms_per_round"].values())
             tau_bench[name] = {b: sum(t) / len(t) for b, t in per_bench[name].items()}
         rows[name] = row
-    by_conc = {"1": rows}
-    for c in batched:
-        results = {name: [] for name in engines}
-        seconds = dict.fromkeys(engines, 0.0)
-        for g in range(0, len(items), c):
-            for name, eng in engines.items():
-                t0 = time.perf_counter()
-                results[name] += generate_batch(
-                    eng,
-                    [it.turns[0] for _, it in items[g : g + c]],
-                    SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=g),
-                )
-                seconds[name] += time.perf_counter() - t0
-                bar.update(len(items[g : g + c]))
-        by_conc[str(c)] = {name: _row(results[name], seconds[name]) for name in engines}
-    bar.close()
-    for crows in by_conc.values():
-        for row in crows.values():
-            row["speedup_vs_ar"] = row["tokens_per_s"] / crows["ar"]["tokens_per_s"]
-    ar = rows["ar"]
-    for name, row in rows.items():
-        if name != "ar" and ar["ar_step_ms"]:
-            row["round_over_ar_step"] = row["round_ms"] / ar["ar_step_ms"]
-    return {
-        "backend": "engine",
-        "concurrency": 1,
-        "rows": rows,
-        "by_concurrency": by_conc if batched else None,
-        "tau_per_benchmark_c1": tau_bench,
-        "benchmarks": benchmarks,
-        "limit": limit,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "target": target.name,
-        "dtype": str(target.dtype).replace("torch.", ""),
-        **provenance(),
-    }
+    return rows, tau_bench
+
+
+def _bench_batched(engines: dict, items: list, c: int, max_new_tokens: int, temperature: float, bar) -> dict:
+    """Groups of c decoded together, every group on all engines in turn -> rows (throughput and τ)."""
+    results = {name: [] for name in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    for g in range(0, len(items), c):
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            results[name] += generate_batch(
+                eng,
+                [it.turns[0] for _, it in items[g : g + c]],
+                SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=g),
+            )
+            seconds[name] += time.perf_counter() - t0
+            bar.update(len(items[g : g + c]))
+    return {name: _row(results[name], seconds[name]) for name in engines}
 
 
 def cpu_summary(doc: dict) -> dict:
