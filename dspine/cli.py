@@ -30,6 +30,12 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
 
 
+DRAFT_LEN_HELP = (
+    "drafts verified per round, 1..block-1 (default: 5 on a CPU, where each draft is a row of the target's verify "
+    "and 5 measured fastest, bench/results/engine_cpu.md; the whole block elsewhere)"
+)
+
+
 def _add_draft_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-dtype",
@@ -55,7 +61,7 @@ def _add_generate(sub) -> None:
         help="drafter checkpoint folder (config.json + model.safetensors), 'builtin' or 'none' (default: builtin "
         "for the built-in target unless --method ar)",
     )
-    g.add_argument("--draft-len", type=int, help="drafts verified per round, 1..block-1 (default: the whole block)")
+    g.add_argument("--draft-len", type=int, help=DRAFT_LEN_HELP)
     g.add_argument(
         "--method",
         choices=METHODS,
@@ -147,7 +153,7 @@ def _add_serve(sub) -> None:
         help="drafter checkpoint folder, 'builtin' (the drafter shipped for the built-in target) or 'none' "
         "(AR) (default: builtin for the built-in target, else none)",
     )
-    s.add_argument("--draft-len", type=int, help="drafts verified per round, 1..block-1 (default: the whole block)")
+    s.add_argument("--draft-len", type=int, help=DRAFT_LEN_HELP)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--served-model-name", default="dspine", help="the model id clients ask for (default: %(default)s)")
@@ -448,11 +454,16 @@ def _draft_dtype(a, target):
     return draft_dtype(a.draft_dtype, target.dtype, a.device)
 
 
+CPU_DRAFT_LEN = 5  # serve/generate's default drafts per round on a CPU (the fastest in bench/results/engine_cpu.md)
+
+
 def _engine(target, drafter, draft_len: int | None):
     from dspine.engine import Engine
 
     if draft_len is not None and drafter is None:
         raise UsageError("--draft-len needs a drafter")
+    if draft_len is None and drafter is not None and target.device.type == "cpu":
+        draft_len = min(CPU_DRAFT_LEN, drafter.config.block_size - 1)
     try:
         return Engine(target, drafter, draft_len)
     except ValueError as e:

@@ -94,3 +94,22 @@ def test_cli_uses_the_builtin_drafter(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["method"] == "ar"
     assert main(["export", "--to", "sglang", "--drafter", "builtin", "--out", str(tmp_path / "x")]) == 0
     assert (tmp_path / "x" / "model.safetensors").is_file()
+
+
+def test_cpu_defaults_of_serve_and_generate(smollm2, shipped):
+    """On a CPU, serve/generate verify 5 drafts per round unless told otherwise (each draft is a target row there);
+    the drafter's dtype: auto is bf16 only on a CPU with native bf16 instructions, else the target's."""
+    from dspine.checkpoint import CheckpointError, draft_dtype
+    from dspine.cli import UsageError, _engine
+
+    assert _engine(smollm2, shipped, None).draft_len == 5
+    assert _engine(smollm2, shipped, 15).draft_len == 15
+    assert _engine(smollm2, None, None).method == "ar"
+    with pytest.raises(UsageError, match="draft_len must be in"):
+        _engine(smollm2, shipped, 16)
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert draft_dtype("auto", torch.float32, "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert draft_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
+    assert draft_dtype(None, torch.float32, "cpu") == torch.float32
+    with pytest.raises(CheckpointError, match="draft dtype 'int8' is not one of"):
+        draft_dtype("int8", torch.float32, "cpu")

@@ -28,7 +28,7 @@ from dspine.eval.acceptance import evaluate, write_results
 from dspine.io import atomic_write_text
 from dspine.methods import VARIANTS
 from dspine.target import load_target
-from dspine.train.data import load_samples, regenerate_dataset, workload_items
+from dspine.train.data import RegenReport, existing_ids, load_samples, regenerate_dataset, workload_items
 from dspine.train.loop import TrainConfig, init_distributed
 from dspine.train.losses import loss_kw
 from dspine.train.run import DrafterSpec, run
@@ -46,6 +46,9 @@ class RecipeConfig:
     num_prompts: int = 4000  # per pool
     max_new_tokens: int = 256
     regen_batch: int = 512
+    # the target's dtype while regenerating ("": dtype): bfloat16 answers at about twice fp32's pace on a GPU, for
+    # training data only (training's features and every evaluation stay in `dtype`)
+    regen_dtype: str = ""
     # a second answer to these pools' prompts, sampled (more data, and the T > 0 distribution); "" = none
     sampled_workload: str = ""
     sampled_num_prompts: int = 4000  # per pool
@@ -151,24 +154,34 @@ class RecipeConfig:
 
 
 def run_regen_stage(cfg: RecipeConfig, work: str | Path, target=None, progress: bool = True) -> dict:
+    """Answer every prompt of the regen sets not yet answered (resumable); the target is loaded at
+    `regen_dtype` (or `dtype`) only when something is left to answer and `target` is not already in it."""
     work = Path(work)
     t0 = time.time()
-    if target is None:
-        target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    sets = [
+        (folder, workload_items(workload, limit=limit, max_chars=2000, suffix=f"@T{temp:g}" if temp else ""), temp)
+        for folder, workload, limit, temp in _regen_sets(cfg)
+    ]
+    left = [not {i for i, _ in items} <= existing_ids(work / folder) for folder, items, _ in sets]
+    dtype = getattr(torch, cfg.regen_dtype or cfg.dtype)
+    if any(left) and (target is None or target.dtype != dtype):
+        target = load_target(cfg.target, dtype=dtype, device=cfg.device)
     load_s = time.time() - t0  # ~0 when the caller loaded the target (run_train_stage reports its own)
     t0 = time.time()
     out = {"load_s": load_s}
-    for folder, workload, limit, temp in _regen_sets(cfg):
-        items = workload_items(workload, limit=limit, max_chars=2000, suffix=f"@T{temp:g}" if temp else "")
-        rep = regenerate_dataset(
-            target,
-            items,
-            work / folder,
-            max_new_tokens=cfg.max_new_tokens,
-            batch_size=cfg.regen_batch,
-            temperature=temp,
-            progress=progress,
-        )
+    for (folder, items, temp), todo in zip(sets, left):
+        if not todo:
+            rep = RegenReport(input=len(items), ok=0, error=0, skipped=len(items))
+        else:
+            rep = regenerate_dataset(
+                target,
+                items,
+                work / folder,
+                max_new_tokens=cfg.max_new_tokens,
+                batch_size=cfg.regen_batch,
+                temperature=temp,
+                progress=progress,
+            )
         out["regen" if folder == "data" else f"regen_{folder}"] = asdict(rep)
     out["regen_s"] = time.time() - t0
     return out
