@@ -242,8 +242,9 @@ class Target:
     @functools.cached_property
     def _own_head(self) -> bool:
         """Whether decode-sized forwards apply the output head themselves: on a CPU in fp32, a GEMM of a few
-        rows against the (V, d) head packs the whole head on every call; W @ h^T does not (measured in
-        bench/results/engine_cpu.md). Only for plain heads: no bias, no logit soft-capping or scaling."""
+        rows against the (V, d) head repacks the whole head on every call, W @ h^T streams it once (a verify
+        of several rows then costs about what one row does). Only for plain heads: no bias, no logit
+        soft-capping or scaling."""
         head = self.model.get_output_embeddings()
         plain = (
             isinstance(head, torch.nn.Linear)
