@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from dspine.config import ConfigError, from_dict
 from dspine.drafter import DSPINE_SECTION, DSpineConfig, DSpineDraftModel
 from dspine.io import atomic_dir
+from dspine.methods import DRAFT_DTYPES
 
 ARCH = "DSpineDraftModel"
 _TOP = (
@@ -271,9 +272,6 @@ def load_at(
         setattr(d.config, k, v)
     d.config.validate()
     return d
-
-
-DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
 def draft_dtype(name: str | None, target_dtype: torch.dtype, device: str | torch.device) -> torch.dtype:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from dspine.methods import METHODS
+from dspine.methods import DRAFT_DTYPES, METHODS
 
 
 class UsageError(ValueError):
@@ -40,7 +40,7 @@ def _add_draft_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16", "float16", "float64"),
+        choices=DRAFT_DTYPES,
         help="dtype the drafter decodes in; drafts need no exactness (the target verifies every token in "
         "--dtype), so auto is bfloat16 on a CPU with native bf16 instructions, else --dtype (default: %(default)s)",
     )
@@ -773,7 +773,7 @@ def cmd_bench(a) -> int:
 
 def _bench_models(a, specs: dict[str, str]):
     """The target and each drafter at every --draft-dtype (named NAME/DTYPE when several are compared)."""
-    from dspine.checkpoint import DRAFT_DTYPES, draft_dtype, load_at
+    from dspine.checkpoint import draft_dtype, load_at
 
     names = [x for x in a.draft_dtype.split(",") if x]
     bad = [x for x in names if x not in DRAFT_DTYPES]

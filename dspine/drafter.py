@@ -276,6 +276,7 @@ class DSpineDraftModel(nn.Module):
         self.apply(self._init_weights)
         self._embed: torch.Tensor | None = None  # (V, d) target input embedding, bound at run time
         self._head: torch.Tensor | None = None  # (V, d) target output head
+        self._source: int | None = None  # data pointer of the target embedding the two above were taken from
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -335,8 +336,13 @@ class DSpineDraftModel(nn.Module):
                 f"drafter expects a target with {self.config.num_target_layers} layers, "
                 f"target {target.name!r} has {info.num_layers}"
             )
-        # in the drafter's dtype, converted once (a bf16 drafter beside an fp32 target reads half the bytes)
+        # in the drafter's dtype, converted once (a bf16 drafter beside an fp32 target reads half the bytes);
+        # binding again to the same target in the same dtype (every Engine binds its drafter) keeps the copy
         dt = self.fc.weight.dtype
+        src = target.embed.weight.data_ptr()
+        if self._source == src and self._embed is not None and self._embed.dtype == dt:
+            return self
+        self._source = src
         self._embed = target.embed.weight.detach().to(dt)
         tied = target.head_weight is target.embed.weight
         self._head = self._embed if tied else target.head_weight.detach().to(dt)

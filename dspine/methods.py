@@ -1,4 +1,5 @@
-"""The decoding methods, named once (torch-free, so the command line can list them without loading torch)."""
+"""The decoding methods and drafter dtypes, named once (torch-free, so the command line can list them without loading
+torch)."""
 
 VARIANTS = {  # drafter method -> which layers inject ("all" | "last" | "none")
     "dflash": "none",
@@ -6,3 +7,5 @@ VARIANTS = {  # drafter method -> which layers inject ("all" | "last" | "none")
     "dspine": "all",
 }
 METHODS = ("ar", *VARIANTS)  # ar: the target alone
+# what a drafter may decode in (checkpoint.draft_dtype)
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
