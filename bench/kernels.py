@@ -1,8 +1,9 @@
 """Kernel benchmark (CUDA): fused Triton kernels vs their eager references at the real target's sizes.
 
-Per speculative round at concurrency N: the injection over all drafter layers (kernels/injection.py, both
-layouts "rows" and "split", vs dspine.drafter.Injection) and the transition cache + greedy walk
-(kernels/transition.py vs dspine.decoding.transition_scores + walk_greedy), and the proposal head both methods
+Per speculative round at concurrency N: the injection over all drafter layers (kernels/injection.py, its
+layouts "rows", "split" and "gemm", vs dspine.drafter.Injection) and the transition cache + greedy walk
+(kernels/transition.py vs dspine.decoding.transition_scores + walk_greedy, and "path": what
+greedy_transition_walk runs at this width), and the proposal head both methods
 share — logits of slots 1..B-1 then DFlash's argmax or DSpine's top-K candidates (torch, or
 kernels/candidates.py). CUDA-event timing, median of repeated runs after warm-up, launched from Python
 ("launch") and replayed from a captured CUDA graph ("graph", as inside SGLang's draft graph, where launch
@@ -19,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from dspine.decoding import transition_scores, walk_greedy
+from dspine.decoding import greedy_transition_walk, transition_scores, walk_greedy
 from dspine.drafter import Injection, RMSNorm
 from dspine.io import atomic_write_text, md_table, provenance, update_summary
 from dspine.kernels.candidates import fused_top_candidates
-from dspine.kernels.injection import fused_injection
+from dspine.kernels.injection import VARIANTS, fused_injection, injection_variant
 from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy
 
 
@@ -94,28 +95,31 @@ def main() -> int:
                 "eager": lambda: [inj(h, anc) for inj in injs],
                 "rows": lambda: [fused_injection(inj, h, anc, variant="rows") for inj in injs],
                 "split": lambda: [fused_injection(inj, h, anc, variant="split") for inj in injs],
+                "gemm": lambda: [fused_injection(inj, h, anc, variant="gemm") for inj in injs],
                 "transition_eager": lambda: walk_greedy(
                     cand, transition_scores(injs[-1], norm, head, codes, h_pre, f, cand)
                 ),
                 "transition_fused": lambda: fused_walk_greedy(
                     cand, fused_transition_scores(injs[-1], norm, head, codes, h_pre, f, cand)
                 ),
+                # what the engine and the plugin run at this width (fused scores only up to the width rule)
+                "transition_path": lambda: greedy_transition_walk(cand, injs[-1], norm, head, codes, h_pre, f),
                 "head_argmax": lambda: torch.matmul(slots, head.t()).argmax(-1),
                 "head_topk": lambda: torch.matmul(slots, head.t()).topk(K, dim=-1).indices,
                 "head_topk_fused": lambda: fused_top_candidates(slots.view(-1, d), head, K),
             }
-            row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers, "hidden": d}
+            row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers, "hidden": d,
+                   "injection_path": injection_variant(width=d)}  # fmt: skip
             with torch.no_grad():
                 for name, fn in variants.items():
                     row[f"{name}_launch_ms"] = timed(fn)
                     row[f"{name}_graph_ms"] = timed(graphed(fn))
             rows.append(row)
     cols = [
-        *(f"{n}_{m}_ms" for n in ("eager", "rows", "split") for m in ("launch", "graph")),
-        "transition_eager_launch_ms",
+        *(f"{n}_{m}_ms" for n in ("eager", *VARIANTS) for m in ("launch", "graph")),
         "transition_eager_graph_ms",
-        "transition_fused_launch_ms",
         "transition_fused_graph_ms",
+        "transition_path_graph_ms",
         "head_argmax_graph_ms",
         "head_topk_graph_ms",
         "head_topk_fused_graph_ms",
@@ -128,15 +132,16 @@ def main() -> int:
     one = [x for x in rows if x["dtype"] == "bfloat16" and x["batch"] == 1]
     if a.summary and one:
         x = one[0]
-        best = min(("rows", "split"), key=lambda v: x[f"{v}_graph_ms"])
+        best = x["injection_path"]
         update_summary(
             a.summary,
             "kernels",
             {
                 "injection_ms_per_round": x[f"{best}_graph_ms"],
                 "injection_variant": best,
-                "injection_ms_per_round_by_variant": {v: x[f"{v}_graph_ms"] for v in ("eager", "rows", "split")},
-                "transition_ms_per_round": x["transition_fused_graph_ms"],
+                "injection_ms_per_round_by_variant": {v: x[f"{v}_graph_ms"] for v in ("eager", *VARIANTS)},
+                "transition_ms_per_round": x["transition_path_graph_ms"],
+                "transition_fused_ms_per_round": x["transition_fused_graph_ms"],
                 "transition_eager_ms_per_round": x["transition_eager_graph_ms"],
                 "candidates_over_argmax_ms_per_round": x["head_topk_graph_ms"] - x["head_argmax_graph_ms"],
                 "candidates_fused_over_argmax_ms_per_round": x["head_topk_fused_graph_ms"] - x["head_argmax_graph_ms"],

@@ -42,10 +42,9 @@ def transition_scores(
 ) -> torch.Tensor:
     """h_pre (N, B, d), f (N, B, r), cand (N, B-1, K) candidates of slots 1..B-1
     -> S (N, B-2, K, K): S[:, t-2, i, j] = score of cand[slot t, j] after predecessor cand[slot t-1, i]."""
-    K = cand.shape[-1]
     pred = codes[cand[:, :-1]].to(h_pre.dtype)  # (N, B-2, K, r) codes of slots 1..B-2's candidates
-    f_t = f[:, 2:, None, :].expand(-1, -1, K, -1)  # (N, B-2, K, r)
-    h = h_pre[:, 2:, None, :] + inj.delta(f_t, pred)  # (N, B-2, K, d)
+    # A f_t is shared by the K predecessors: (N, B-2, 1, r) broadcasts against pred inside delta
+    h = h_pre[:, 2:, None, :] + inj.delta(f[:, 2:, None, :], pred)  # (N, B-2, K, d)
     succ = head[cand[:, 1:]].to(h.dtype)  # (N, B-2, K, d) rows of slots 2..B-1's candidates
     return torch.matmul(norm(h), succ.transpose(-1, -2)).float()
 
@@ -135,9 +134,8 @@ def greedy_transition_walk(
     """cand (N, B-1, K) candidates of slots 1..B-1, best first; h_pre (N, B, d), f (N, B, r) -> greedy drafts
     (N, B-1): slot 1 its argmax, slots >= 2 through the transition cache (the fused kernels on CUDA). The
     engine's and the SGLang plugin's greedy proposal."""
-    fast = kernels.fused_width_ok(h_pre)
-    S = scores_table(inj, norm, head, codes, h_pre, f, cand, fast)
-    if fast:
+    S = scores_table(inj, norm, head, codes, h_pre, f, cand, kernels.fused_width_ok(h_pre))
+    if kernels.enabled(cand):  # the walk reads only cand and S: fused at any width
         from dspine.kernels.transition import fused_walk_greedy
 
         return fused_walk_greedy(cand, S)

@@ -401,7 +401,7 @@ class DSpineDraftModel(nn.Module):
             if str(i) in self.injections:
                 if i == last:
                     h_pre = h
-                if kernels.fused_width_ok(h):
+                if kernels.enabled(h):
                     from dspine.kernels.injection import fused_injection
 
                     h, feats[i] = fused_injection(self.injections[str(i)], h, anchor_code)

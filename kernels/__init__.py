@@ -2,9 +2,10 @@
 
 Triton is imported lazily, inside the kernel builders, so CPU installs without it work. `enabled(x)` says
 whether a tensor's computation should take the fused path: on CUDA, without autograd (the kernels have no
-backward), unless DSPINE_KERNELS=0. `fused_width_ok(x)` adds the width rule of the injection and transition
-kernels: they win at narrow widths and lose to cuBLAS-backed torch at wide ones (bench/kernels.py --hidden;
-bench/results/README.md), so above DSPINE_FUSED_MAX_WIDTH (default 1024) the eager path runs.
+backward), unless DSPINE_KERNELS=0. `fused_width_ok(x)` adds the width rule of the transition-score kernel:
+it wins at narrow widths and loses to cuBLAS-backed torch at wide ones (bench/kernels.py --hidden;
+bench/results/README.md), so above DSPINE_FUSED_MAX_WIDTH (default 1024) the eager scores run; the
+injection switches to its cuBLAS-backed layout there instead (injection.injection_variant).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def enabled(x) -> bool:
 
 
 def fused_max_width() -> int:
-    """The widest model the fused injection and transition kernels serve (DSPINE_FUSED_MAX_WIDTH, 1024)."""
+    """The widest model served by the fused transition scores and the "split" injection (DSPINE_FUSED_MAX_WIDTH,
+    1024)."""
     return int(os.environ.get("DSPINE_FUSED_MAX_WIDTH", "1024"))
 
 

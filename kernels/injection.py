@@ -11,14 +11,19 @@ chunks (weight tiles small enough for shared memory at r = s = 256) and gate ⊙
 global scratch rows that only this program touches, then read back for the write-back. Dots run in the
 weights' dtype with fp32 accumulation; fp32 uses IEEE dots (parity with the reference).
 
-Two layouts, chosen by `variant` (default: DSPINE_INJECTION, else "split", the faster one):
+Three layouts, chosen by `variant` (default: DSPINE_INJECTION, else by width: "split" up to
+kernels.fused_max_width(), "gemm" above):
 - "rows": the single kernel above; one program per 16 rows, so at batch 1 (16 rows) one SM streams all of
-  the layer's weights (~1 MB in bf16) — measured 0.12 ms per layer on the H200.
+  the layer's weights (~1 MB in bf16).
 - "split": three launches whose grids also tile the output dimension — readout (rows × r-tiles), gate ⊙
   message (rows × s-tiles, predecessors read from the stored readouts) and write-back (rows × d-tiles; the
   readout and write-back share one row-tiled linear kernel) — so every weight tile is read by one program
-  and the layer spreads over 68 programs at batch 1 (16-wide tiles). Measured on the H200 (bf16, 5 layers,
-  replayed from a CUDA graph, bench/results/kernels.json): 0.065 ms at batch 1 (rows 0.566, eager 0.129).
+  and the layer spreads over 68 programs at batch 1 (16-wide tiles).
+- "gemm": for wide models (4096 at 8B), where a 16-wide tile walking d serially is slow: the two d-wide
+  products go to cuBLAS — the raw readout h·R^T and the write-back h + (gate ⊙ message)·W^T as one addmm —
+  with |h| from one reduction; the message kernel of "split" forms f = h·R^T·rms^-1 + b_R itself. Four
+  launches a layer instead of the eager path's dozen.
+Their timings beside the eager reference: bench/kernels.py (bench/results/kernels*.json).
 """
 
 from __future__ import annotations
@@ -192,22 +197,37 @@ def _split_kernels():
         BA,
         WP,
         WM,
+        NRM,
+        BR,
+        FOUT,
         n_rows,
         B,
+        eps,
+        IN,
         R: tl.constexpr,
         S: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_S: tl.constexpr,
+        FROM_RAW: tl.constexpr,
         PREC: tl.constexpr,
         DOT_F32: tl.constexpr,
     ):
+        # MSG[rows, s-tile] = σ(A f_t + b + P p_t) ⊙ M p_t (0 on anchor slots: p = 0 there). FROM_RAW: F holds
+        # the unnormalised readout h·R^T and NRM the rows' |h|; f = F·rms^-1 + b_R is formed here (and stored to
+        # FOUT by the programs of the first s-tile)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         ss = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
         rr = tl.arange(0, BLOCK_R)
         live, s_ok = rows < n_rows, ss < S
         slot = rows % B
+        prev = live & (slot >= 2)
         wdt = tl.float32 if DOT_F32 else WA.dtype.element_ty
+        if FROM_RAW:
+            n_own = tl.load(NRM + rows, mask=live, other=0.0)
+            n_prev = tl.load(NRM + rows - 1, mask=prev, other=0.0)
+            rs_own = tl.rsqrt(n_own * n_own / IN + eps)
+            rs_prev = tl.rsqrt(n_prev * n_prev / IN + eps)
         g = tl.zeros((BLOCK_M, BLOCK_S), tl.float32)
         m = tl.zeros((BLOCK_M, BLOCK_S), tl.float32)
         for r0 in range(0, R, BLOCK_R):
@@ -215,9 +235,15 @@ def _split_kernels():
             fo = tl.load(F + rows[:, None] * R + r0 + rr[None, :], mask=live[:, None] & r_ok[None, :], other=0.0)
             fp = tl.load(
                 F + (rows - 1)[:, None] * R + r0 + rr[None, :],
-                mask=(live & (slot >= 2))[:, None] & r_ok[None, :],
+                mask=prev[:, None] & r_ok[None, :],
                 other=0.0,
             )
+            if FROM_RAW:
+                br = tl.load(BR + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+                fo = (fo.to(tl.float32) * rs_own[:, None] + br).to(FOUT.dtype.element_ty)
+                fp = tl.where(prev[:, None], fp.to(tl.float32) * rs_prev[:, None] + br, 0.0).to(FOUT.dtype.element_ty)
+                if tl.program_id(1) == 0:
+                    tl.store(FOUT + rows[:, None] * R + r0 + rr[None, :], fo, mask=live[:, None] & r_ok[None, :])
             an = tl.load(
                 ANC + (rows // B)[:, None] * R + r0 + rr[None, :],
                 mask=(live & (slot == 1))[:, None] & r_ok[None, :],
@@ -231,18 +257,21 @@ def _split_kernels():
             g += tl.dot(fo.to(wdt), wa, input_precision=PREC) + tl.dot(p, wp, input_precision=PREC)
             m += tl.dot(p, wm, input_precision=PREC)
         g += tl.load(BA + ss, mask=s_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(MSG + rows[:, None] * S + ss[None, :], tl.sigmoid(g) * m, mask=live[:, None] & s_ok[None, :])
+        msg = (tl.sigmoid(g) * m).to(MSG.dtype.element_ty)
+        tl.store(MSG + rows[:, None] * S + ss[None, :], msg, mask=live[:, None] & s_ok[None, :])
 
     return rows_linear_kernel, message_kernel
 
 
-VARIANTS = ("rows", "split")
+VARIANTS = ("rows", "split", "gemm")
 
 
-def injection_variant(variant: str | None = None) -> str:
-    from . import setting
+def injection_variant(variant: str | None = None, width: int = 0) -> str:
+    """`variant`, else DSPINE_INJECTION, else by the model width: "split" up to kernels.fused_max_width(),
+    "gemm" above it (cuBLAS then streams the d-wide weights faster than 16-wide Triton tiles)."""
+    from . import fused_max_width, setting
 
-    return setting("DSPINE_INJECTION", VARIANTS, "split", variant)
+    return setting("DSPINE_INJECTION", VARIANTS, "split" if width <= fused_max_width() else "gemm", variant)
 
 
 def interpreting() -> bool:
@@ -264,14 +293,47 @@ def fused_injection(
     out = torch.empty_like(h)
     f = torch.empty(N, nb, B, R, device=h.device, dtype=h.dtype)
     n_rows = N * nb * B
-    msg = torch.empty(n_rows, S, device=h.device, dtype=torch.float32)  # gate ⊙ message, fp32
     anc = anchor_code.to(h.dtype).contiguous()
     eps = float(torch.finfo(h.dtype).eps)
     prec = dict(PREC="ieee" if h.dtype == torch.float32 else "tf32", DOT_F32=h.dtype == torch.float32 or interpreting())
-    if injection_variant(variant) == "split":
+    variant = injection_variant(variant, D)
+    BM, BN = 16, 16  # the smallest dot tiles: most programs at batch 1, where latency rules
+    rows = triton_cdiv(n_rows, BM)
+    if variant == "gemm":
+        _, message = _split_kernels()
+        h2 = h.view(n_rows, D)
+        raw = torch.mm(h2, inj.readout.weight.t())  # (n_rows, r) h·R^T, normalised in the message kernel
+        nrm = torch.linalg.vector_norm(h2, dim=-1, dtype=torch.float32)  # (n_rows,)
+        msg = torch.empty(n_rows, S, device=h.device, dtype=h.dtype)
+        message[(rows, triton_cdiv(S, BN))](
+            raw,
+            anc,
+            msg,
+            inj.gate_f.weight,
+            inj.gate_f.bias,
+            inj.gate_p.weight,
+            inj.message.weight,
+            nrm,
+            inj.readout.bias,
+            f,
+            n_rows,
+            B,
+            eps,
+            D,
+            R=R,
+            S=S,
+            BLOCK_M=BM,
+            BLOCK_R=32,
+            BLOCK_S=BN,
+            FROM_RAW=True,
+            **prec,
+        )
+        # anchor rows of msg are 0, so they keep h exactly
+        torch.addmm(h2, msg, inj.write.weight.t(), out=out.view(n_rows, D))
+        return out, f
+    msg = torch.empty(n_rows, S, device=h.device, dtype=torch.float32)  # gate ⊙ message, fp32
+    if variant == "split":
         linear, message = _split_kernels()
-        BM, BN = 16, 16  # the smallest dot tiles: most programs at batch 1, where latency rules
-        rows = triton_cdiv(n_rows, BM)
         linear[(rows, triton_cdiv(R, BN))](
             h,
             inj.readout.weight,
@@ -297,13 +359,19 @@ def fused_injection(
             inj.gate_f.bias,
             inj.gate_p.weight,
             inj.message.weight,
+            msg,
+            msg,
+            msg,
             n_rows,
             B,
+            eps,
+            D,
             R=R,
             S=S,
             BLOCK_M=BM,
             BLOCK_R=32,
             BLOCK_S=BN,
+            FROM_RAW=False,
             **prec,
         )
         linear[(rows, triton_cdiv(D, BN))](

@@ -52,7 +52,7 @@ def _close(got, ref, dtype):
     return (got.float() - ref.float()).abs().max().item() <= TOL[dtype] * max(scale, 1.0)
 
 
-@pytest.mark.parametrize("variant", ["rows", "split"])
+@pytest.mark.parametrize("variant", ["rows", "split", "gemm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fused_injection_matches_reference(shape, dtype, variant):
@@ -70,7 +70,9 @@ def test_fused_injection_matches_reference(shape, dtype, variant):
 
 def test_injection_variant_is_checked(monkeypatch):
     monkeypatch.delenv("DSPINE_INJECTION", raising=False)
+    monkeypatch.delenv("DSPINE_FUSED_MAX_WIDTH", raising=False)
     assert injection_variant() == "split" and injection_variant("rows") == "rows"
+    assert injection_variant(width=576) == "split" and injection_variant(width=4096) == "gemm"
     monkeypatch.setenv("DSPINE_INJECTION", "rows")
     assert injection_variant() == "rows"
     monkeypatch.setenv("DSPINE_INJECTION", "fast")

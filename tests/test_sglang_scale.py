@@ -164,3 +164,10 @@ def test_flags_are_replaced_not_doubled_and_kernel_figures_follow_the_width_rule
         path.write_text(json.dumps({"rows": [{**row, "hidden": hidden}]}))
         k = _kernels(str(path))
         assert (k["injection_variant"], k["transition_ms"]) == (inj, trans)
+    # benches that record the path taken (the "gemm" layout on): its figures, whatever is faster elsewhere
+    row = {**row, "gemm_graph_ms": 0.09, "transition_path_graph_ms": 0.1}
+    for hidden, inj, how in ((4096, "gemm", "fused walk, eager scores"), (576, "split", "fused walk, fused scores")):
+        path = tmp_path / f"p{hidden}.json"
+        path.write_text(json.dumps({"rows": [{**row, "hidden": hidden, "injection_path": inj}]}))
+        k = _kernels(str(path))
+        assert (k["injection_variant"], k["transition_ms"], k["transition_variant"]) == (inj, 0.1, how)

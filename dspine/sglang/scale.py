@@ -370,13 +370,21 @@ def _kernels(path: str | None) -> dict | None:
     if not rows:
         return None
     r = rows[0]
-    fused = r.get("hidden", 576) <= fused_max_width()
-    best = min(("rows", "split"), key=lambda v: r[f"{v}_graph_ms"]) if fused else "eager"
+    if "injection_path" in r:  # kernel benches from the "gemm" layout on record the path taken
+        inj, trans, how = (
+            r["injection_path"],
+            "transition_path",
+            "fused walk" + (", fused scores" if r.get("hidden", 576) <= fused_max_width() else ", eager scores"),
+        )
+    else:
+        fused = r.get("hidden", 576) <= fused_max_width()
+        inj = min(("rows", "split"), key=lambda v: r[f"{v}_graph_ms"]) if fused else "eager"
+        trans, how = ("transition_fused", "fused") if fused else ("transition_eager", "eager")
     return {
-        "injection_ms": r[f"{best}_graph_ms"],
-        "injection_variant": best,
-        "transition_ms": r["transition_fused_graph_ms" if fused else "transition_eager_graph_ms"],
-        "transition_variant": "fused" if fused else "eager",
+        "injection_ms": r[f"{inj}_graph_ms"],
+        "injection_variant": inj,
+        "transition_ms": r[f"{trans}_graph_ms"],
+        "transition_variant": how,
         "fused_instead": {"injection_split": r["split_graph_ms"], "transition": r["transition_fused_graph_ms"]},
         "candidates_over_argmax_ms": r["head_topk_fused_graph_ms"] - r["head_argmax_graph_ms"],
         "hidden": r.get("hidden"),

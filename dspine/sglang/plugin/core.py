@@ -88,7 +88,7 @@ def inject_flat(inj: Injection, h: torch.Tensor, anchor_code: torch.Tensor, bloc
     """h (bs*B, d) full residual stream after a layer, anchor_code (bs, r) -> (h updated, f (bs*B, r))."""
     bs = h.shape[0] // block_size
     hb = h.view(bs, 1, block_size, -1)
-    if kernels.fused_width_ok(h):
+    if kernels.enabled(h):
         from dspine.kernels.injection import fused_injection
 
         out, f = fused_injection(inj, hb, anchor_code[:, None])
