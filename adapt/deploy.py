@@ -5,8 +5,10 @@
 
 Exit 0: deployed; 3: refused by the gate or rolled back after the live check; 2: bad input or a server that
 refused the swap (the old drafter keeps serving). Every decision is appended to the history (JSON lines,
-default deploys.jsonl beside the evaluation). Settings: DeployConfig (adapt/deployment.py) as dotted
-overrides, e.g. `live_requests=6 live_tolerance=0.9`.
+default deploys.jsonl beside the evaluation). A group adapted to one workload ("tool", or "tool-high" per
+thinking level) is deployed to that workload's route only (the server keeps its default drafter for the rest);
+the group "all" replaces the default; `route=default` or `route=WORKLOAD[/LEVEL]` says otherwise. Settings:
+DeployConfig (adapt/deployment.py) as dotted overrides, e.g. `live_requests=6 live_tolerance=0.9`.
 """
 
 import argparse
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     except (ConfigError, DeployError, OSError, ValueError) as e:
         print(f"deploy: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({k: entry.get(k) for k in ("action", "group", "drafter", "gated_tau", "live", "reasons")}))
+    print(json.dumps({k: entry.get(k) for k in ("action", "group", "route", "drafter", "gated_tau", "live", "reasons")}))
     return 0 if entry["action"] == "deployed" else 3
 
 

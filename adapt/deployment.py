@@ -11,6 +11,9 @@ Design choices:
   fine, so every deploy ends with a few greedy requests through the server, their acceptance read back from
   the server's own records; below `live_tolerance` × the gated figure (the adapted drafter's general-benchmark
   τ, else its lowest held-out cell) the previous drafter is swapped back.
+- **Routes**: a drafter adapted to one workload (group "tool", or "tool-high" per thinking level) is swapped in
+  for that workload's requests only (the server's route "tool" / "tool/high"; the proxy passes the workload on),
+  and its live check sends requests of that workload; the group "all" replaces the default drafter.
 - **History**: one JSON line per decision (refused, deployed, rolled back) with its figures, in a file
   rewritten atomically, which the dashboard can show.
 """
@@ -42,6 +45,21 @@ class DeployConfig:
     live_requests: int = 4
     max_tokens: int = 48
     live_tolerance: float = 0.8  # roll back below this share of the gated τ
+    route: str = "auto"  # the server route: "auto" (from the group: all -> default, tool -> tool, tool-high ->
+    # tool/high), "default", or a route (WORKLOAD or WORKLOAD/LEVEL)
+
+
+LEVELS = ("none", "low", "medium", "high", "xhigh")
+
+
+def route_of(group: str, route: str = "auto") -> str | None:
+    """The server route a group's drafter is deployed to (None: the default drafter)."""
+    if route != "auto":
+        return None if route == "default" else route
+    if group == "all":
+        return None
+    workload, _, level = group.rpartition("-")
+    return f"{workload}/{level}" if workload and level in LEVELS else group
 
 
 def call_json(url: str, body: dict | None = None, key: str | None = None, timeout: float = 600) -> dict:
@@ -65,14 +83,20 @@ def call_json(url: str, body: dict | None = None, key: str | None = None, timeou
         raise DeployError(f"{url}: {e}") from None
 
 
-def live_tau(cfg: DeployConfig, prompts: list[str]) -> dict:
-    """Greedy chat requests through the server, their acceptance from its records -> pooled τ, requests."""
+def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) -> dict:
+    """Greedy chat requests through the server (as `route`'s workload and level), their acceptance from its
+    records -> pooled τ, requests, the drafters that decoded them."""
     base = cfg.endpoint.rstrip("/")
     model = call_json(base + "/v1/models")["data"][0]["id"]
     pooled, drafters = None, set()
     for p in prompts[: cfg.live_requests]:
         body = {"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": cfg.max_tokens,
                 "temperature": 0}  # fmt: skip
+        if route is not None:
+            workload, _, level = route.partition("/")
+            body["metadata"] = {"workload": workload}
+            if level:
+                body["reasoning_effort"] = level
         rid = call_json(base + "/v1/chat/completions", body)["id"]
         rec = call_json(f"{base}/v1/dspine/requests/{rid}")
         drafters.add(rec.get("drafter"))
@@ -109,7 +133,8 @@ def deploy(cfg: DeployConfig) -> dict:
     history = Path(cfg.history) if cfg.history else Path(cfg.evaluation).with_name("deploys.jsonl")
     cells = {c: doc["per_cell"][c] for c in info["cells"]}
     gated = (doc.get("general") or {}).get("tau_mean", {}).get(group) or min(c["adapted"] for c in cells.values())
-    entry = {"ts": time.time(), "group": group, "drafter": info["path"], "endpoint": cfg.endpoint,
+    route = route_of(group, cfg.route)
+    entry = {"ts": time.time(), "group": group, "route": route, "drafter": info["path"], "endpoint": cfg.endpoint,
              "cells": {c: {k: v[k] for k in ("base", "adapted", "ratio")} for c, v in cells.items()},
              "general_regression": (doc.get("general") or {}).get("regression", {}).get(group),
              "gated_tau": gated}  # fmt: skip
@@ -117,14 +142,20 @@ def deploy(cfg: DeployConfig) -> dict:
         entry.update(action="refused", reasons=decision["reasons"])
         _append(history, entry)
         return entry
-    base = cfg.endpoint.rstrip("/")
-    before = call_json(base + "/v1/dspine/drafter")
-    swap = call_json(base + "/v1/dspine/drafter", {"drafter": info["path"], "name": f"adapted/{group}"}, cfg.admin_key)
-    live = live_tau(cfg, cfg.prompts or _default_prompts(doc))
+    url = cfg.endpoint.rstrip("/") + "/v1/dspine/drafter"
+    served = call_json(url)
+    before = (served.get("routes") or {}).get(route) if route else served
+    before = {k: before[k] for k in ("drafter", "path", "method")} if before else None
+    body = {"drafter": info["path"], "name": f"adapted/{group}", **({"route": route} if route else {})}
+    swap = call_json(url, body, cfg.admin_key)
+    live = live_tau(cfg, cfg.prompts or _default_prompts(doc), route)
     entry.update(previous=before, swap=swap["current"], live=live, threshold=cfg.live_tolerance * gated)
     if live["tau"] < cfg.live_tolerance * gated:
-        back = before.get("path") or "none"
-        call_json(base + "/v1/dspine/drafter", {"drafter": back, "name": before.get("drafter")}, cfg.admin_key)
+        if before is None:  # the route did not exist: its workload goes back to the default drafter
+            call_json(url, {"route": route, "remove": True}, cfg.admin_key)
+        else:
+            back = {"drafter": before.get("path") or "none", "name": before.get("drafter")}
+            call_json(url, {**back, **({"route": route} if route else {})}, cfg.admin_key)
         entry.update(action="rolled_back", reasons=[f"live τ {live['tau']:.3f} < {cfg.live_tolerance} × {gated:.3f}"])
     else:
         entry["action"] = "deployed"

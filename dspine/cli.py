@@ -211,6 +211,15 @@ def _add_proxy(sub) -> None:
         help="a backend (repeatable): the model name clients use = the backend's OpenAI base URL, "
         "e.g. smol=http://127.0.0.1:8000/v1 (@SERVED: the backend's own model name, default dspine)",
     )
+    px.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="WORKLOAD[/LEVEL]=BACKEND",
+        help="send the requests of a workload (metadata.workload; /LEVEL: and reasoning_effort) to a backend "
+        "whatever model they name (repeatable), e.g. tool=smol-tool: backends of one target whose drafters "
+        "were adapted per workload (one dspine serve can also hold them all: POST /v1/dspine/drafter with a route)",
+    )
     px.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     px.add_argument("--port", type=int, default=4000, help="port (default: %(default)s)")
     px.add_argument("--db", default="runs/proxy/acceptance.db", help="SQLite acceptance store (default: %(default)s)")
@@ -634,10 +643,11 @@ def cmd_serve(a) -> int:
 def cmd_proxy(a) -> int:
     import signal
 
-    from dspine.serve.proxy import ProxyConfig, parse_backend, start_proxy, stop_proxy
+    from dspine.serve.proxy import ProxyConfig, parse_backend, parse_route, start_proxy, stop_proxy
 
     cfg = ProxyConfig(
         backends=[parse_backend(b) for b in a.backend],
+        routes=dict(parse_route(r) for r in a.route),
         host=a.host,
         port=a.port,
         db=a.db,

@@ -2,6 +2,7 @@
 requests (none dropped, every reply equal to AR's), refusals before the swap (no key, another target's drafter,
 a corrupted file) with the old drafter serving on, and adapt/deploy.py's gate, live check and roll-back."""
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -92,6 +93,8 @@ def test_swap_under_load_drops_nothing_and_refuses_bad_checkpoints(server):
     status, e = call(base, "/v1/dspine/drafter", {"drafter": str(root / "broken")}, KEY)
     assert status == 400 and "unreadable safetensors" in e["error"]["message"]
     status, e = call(base, "/v1/dspine/drafter", {"nope": 1}, KEY)
+    assert status == 400 and e["error"]["param"] == "nope"
+    status, e = call(base, "/v1/dspine/drafter", {"name": "x"}, KEY)
     assert status == 400 and e["error"]["param"] == "drafter"
     assert call(base, "/v1/dspine/drafter")[1]["drafter"] == "b/dflash"
     # AR through the same server: every reply above equals it
@@ -105,8 +108,8 @@ def test_deploy_gates_checks_live_acceptance_and_rolls_back(server, tmp_path):
     base, root = server
     call(base, "/v1/dspine/drafter", {"drafter": str(root / "b" / "dflash"), "name": "b/dflash"}, KEY)
     doc = {
-        "gate": {"g": {"accept": True, "reasons": []}},
-        "drafters": {"g": {"path": str(root / "a" / "dspine"), "cells": ["tool/low"]}},
+        "gate": {"all": {"accept": True, "reasons": []}},
+        "drafters": {"all": {"path": str(root / "a" / "dspine"), "cells": ["tool/low"]}},
         "per_cell": {"tool/low": {"base": 1.2, "adapted": 1.5, "ratio": 1.25}},
         "general": None,
     }
@@ -115,29 +118,100 @@ def test_deploy_gates_checks_live_acceptance_and_rolls_back(server, tmp_path):
     cfg = DeployConfig(evaluation=str(ev), endpoint=base, admin_key=KEY, prompts=CHAT_PROMPTS[:2], live_requests=2,
                        max_tokens=24, live_tolerance=0.5)  # fmt: skip
     ok = deploy(cfg)
-    assert ok["action"] == "deployed" and ok["live"]["drafters"] == ["adapted/g"] and ok["live"]["tau"] >= 1.0
-    assert call(base, "/v1/dspine/drafter")[1]["drafter"] == "adapted/g"
+    assert ok["action"] == "deployed" and ok["live"]["drafters"] == ["adapted/all"] and ok["live"]["tau"] >= 1.0
+    assert ok["route"] is None and call(base, "/v1/dspine/drafter")[1]["drafter"] == "adapted/all"
     # a live τ below the gated figure: swapped back to what served before
     call(base, "/v1/dspine/drafter", {"drafter": str(root / "b" / "dflash"), "name": "b/dflash"}, KEY)
     cfg.live_tolerance = 100.0
     back = deploy(cfg)
     assert back["action"] == "rolled_back" and "live τ" in back["reasons"][0]
-    assert back["live"]["drafters"] == ["adapted/g"]  # measured on the new drafter
+    assert back["live"]["drafters"] == ["adapted/all"]  # measured on the new drafter
     now = call(base, "/v1/dspine/drafter")[1]
     assert now["drafter"] == "b/dflash" and now["path"] == str(root / "b" / "dflash")  # the previous one again
     # refused by the gate: the server is not touched
-    doc["gate"]["g"] = {"accept": False, "reasons": ["tool/low: τ ratio 0.900 < 1.0"]}
+    doc["gate"]["all"] = {"accept": False, "reasons": ["tool/low: τ ratio 0.900 < 1.0"]}
     ev.write_text(json.dumps(doc))
     swaps = len(call(base, "/v1/dspine/drafter")[1]["swaps"])
     assert deploy(cfg)["action"] == "refused"
     assert len(call(base, "/v1/dspine/drafter")[1]["swaps"]) == swaps
     hist = [json.loads(x) for x in (tmp_path / "deploys.jsonl").read_text().splitlines()]
     assert [h["action"] for h in hist] == ["deployed", "rolled_back", "refused"]
-    doc["gate"]["g"] = {"accept": True, "reasons": []}
+    doc["gate"]["all"] = {"accept": True, "reasons": []}
     ev.write_text(json.dumps(doc))
     with pytest.raises(DeployError, match="HTTP 401"):  # a wrong admin key: nothing swapped, nothing recorded
         deploy(DeployConfig(evaluation=str(ev), endpoint=base, admin_key="wrong", prompts=CHAT_PROMPTS[:1]))
     assert len((tmp_path / "deploys.jsonl").read_text().splitlines()) == 3
+
+
+def test_routes_send_each_workload_to_its_own_drafter(server, tmp_path):
+    """Several drafters beside one target: a route per workload (and level), requests of both kinds decoding at
+    once (each equal to AR's), adapt/deploy.py deploying a workload's group to its route, roll-backs that restore
+    the route or remove it, and bad swap bodies refused by name."""
+    base, root = server
+    url = "/v1/dspine/drafter"
+    call(base, url, {"drafter": str(root / "a" / "dspine"), "name": "a/dspine"}, KEY)
+    status, r = call(base, url, {"drafter": str(root / "b" / "dflash"), "name": "b/tool", "route": "tool"}, KEY)
+    assert status == 200 and r["route"] == "tool" and r["previous"] is None and r["current"]["method"] == "dflash"
+    assert call(base, url, {"drafter": "none", "route": "tool/high"}, KEY)[1]["current"]["method"] == "ar"
+    for body, param in (
+        ({"drafter": "none", "route": "tool/loud"}, "route"),
+        ({"drafter": "none", "route": "a b"}, "route"),
+        ({"route": "tool", "remove": "yes"}, "remove"),
+        ({"remove": True}, "remove"),
+        ({"drafter": "none", "colour": 1}, "colour"),
+    ):
+        status, e = call(base, url, body, KEY)
+        assert status == 400 and e["error"]["param"] == param, (body, e)
+    assert set(call(base, url)[1]["routes"]) == {"tool", "tool/high"}
+
+    def ask(prompt, workload=None, effort=None):
+        body = {"model": "smol", "messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0}
+        body.update({"metadata": {"workload": workload}} if workload else {})
+        body.update({"reasoning_effort": effort} if effort else {})
+        _, j = call(base, "/v1/chat/completions", body)
+        return j["choices"][0]["message"]["content"], call(base, f"/v1/dspine/requests/{j['id']}")[1]["drafter"]
+
+    kinds = [(None, None), ("tool", None), ("tool", "high"), ("swe", None)]
+    jobs = [(p, w, e) for p in CHAT_PROMPTS[:2] for w, e in kinds]
+    got = [None] * len(jobs)
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(*jobs[i]))) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    by = {(p, w, e): g for (p, w, e), g in zip(jobs, got)}
+    for p in CHAT_PROMPTS[:2]:
+        assert [by[p, w, e][1] for w, e in kinds] == ["a/dspine", "b/tool", None, "a/dspine"]
+        assert by[p, None, None][0] == by[p, "tool", None][0] == by[p, "swe", None][0]  # all equal AR's (lossless)
+    call(base, url, {"drafter": "none"}, KEY)  # AR everywhere else: the default replies are AR's own
+    assert [ask(p)[0] for p in CHAT_PROMPTS[:2]] == [by[p, None, None][0] for p in CHAT_PROMPTS[:2]]
+    call(base, url, {"drafter": str(root / "a" / "dspine"), "name": "a/dspine"}, KEY)
+
+    doc = {
+        "gate": {g: {"accept": True, "reasons": []} for g in ("tool", "swe-high")},
+        "drafters": {"tool": {"path": str(root / "a" / "dspine"), "cells": ["tool/none"]},
+                     "swe-high": {"path": str(root / "a" / "dspine"), "cells": ["swe/high"]}},
+        "per_cell": {"tool/none": {"base": 1.2, "adapted": 1.5, "ratio": 1.25},
+                     "swe/high": {"base": 1.2, "adapted": 1.5, "ratio": 1.25}},
+        "general": None,
+    }  # fmt: skip
+    ev = tmp_path / "adapt.json"
+    ev.write_text(json.dumps(doc))
+    cfg = DeployConfig(evaluation=str(ev), group="tool", endpoint=base, admin_key=KEY, prompts=CHAT_PROMPTS[:2],
+                       live_requests=2, max_tokens=16, live_tolerance=0.5)  # fmt: skip
+    ok = deploy(cfg)
+    assert ok["action"] == "deployed" and ok["route"] == "tool" and ok["live"]["drafters"] == ["adapted/tool"]
+    now = call(base, url)[1]
+    assert now["drafter"] == "a/dspine" and now["routes"]["tool"]["drafter"] == "adapted/tool"
+    call(base, url, {"drafter": str(root / "b" / "dflash"), "name": "b/tool", "route": "tool"}, KEY)
+    cfg.live_tolerance = 100.0  # rolled back: the route serves what it served before
+    assert deploy(cfg)["action"] == "rolled_back" and call(base, url)[1]["routes"]["tool"]["drafter"] == "b/tool"
+    back = deploy(dataclasses.replace(cfg, group="swe-high"))  # a new route, rolled back: removed again
+    assert back["route"] == "swe/high" and back["action"] == "rolled_back" and back["previous"] is None
+    assert back["live"]["drafters"] == ["adapted/swe-high"] and "swe/high" not in call(base, url)[1]["routes"]
+    for route in ("tool", "tool/high"):
+        assert call(base, url, {"route": route, "remove": True}, KEY)[1]["current"] is None
+    assert call(base, url)[1]["routes"] == {}
 
 
 def test_one_loop_iteration_from_store_to_deployed_drafter(server, tmp_path):

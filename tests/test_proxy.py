@@ -43,7 +43,9 @@ def stack(tmp_path_factory, smollm2_drafters):
             backends=[
                 Backend("smol", server + "/v1", "smol-backend"),
                 Backend("down", f"http://127.0.0.1:{free_port()}/v1"),
+                Backend("smol-office", server + "/v1", "smol-backend"),  # the route target of the routing test
             ],
+            routes={"office": "smol-office", "review/high": "smol-office"},
             port=free_port(),
             db=str(tmp / "acceptance.db"),
             metrics_port=free_port(),
@@ -427,3 +429,34 @@ def test_a_down_backend_is_503_and_an_abandoned_stream_is_recorded_with_its_tau(
     while time.time() < deadline and json.loads(urllib.request.urlopen(stack["server"] + "/health").read())["admitted"]:
         time.sleep(0.25)
     assert json.loads(urllib.request.urlopen(stack["server"] + "/health").read())["admitted"] == 0
+
+
+def test_routes_send_a_workload_to_its_backend(stack):
+    """--route WORKLOAD[/LEVEL]=BACKEND: a request of that workload (and level) reaches that backend whatever model
+    it named, the others the model they named; a route to an unknown backend or of a bad shape is refused."""
+    from openai import OpenAI
+
+    from dspine.config import ConfigError
+    from dspine.serve.proxy import Backend, ProxyConfig, parse_route
+
+    client = OpenAI(base_url=stack["proxy"] + "/v1", api_key=KEY)
+
+    def ask(workload, effort):
+        msg = [{"role": "user", "content": f"One word for {workload}."}]
+        return client.chat.completions.create(model="smol", max_tokens=4, temperature=0, reasoning_effort=effort,
+                                              metadata={"workload": workload}, messages=msg).id  # fmt: skip
+
+    sent = {ask("office", "none"): "smol-office", ask("office", "high"): "smol-office",
+            ask("review", "high"): "smol-office", ask("review", "low"): "smol", ask("swe", "none"): "smol"}  # fmt: skip
+    deadline = time.time() + 60
+    while time.time() < deadline and not set(sent) <= {r["request_id"] for r in _rows(stack["cfg"].db)}:
+        time.sleep(0.25)
+    got = {r["request_id"]: r["model"] for r in _rows(stack["cfg"].db) if r["request_id"] in sent}
+    assert got == sent
+    back = [Backend("smol", "http://127.0.0.1:1/v1")]
+    for routes, needle in (({"tool": "nope"}, "names backend 'nope'"), ({"tool/loud": "smol"}, "not WORKLOAD")):
+        with pytest.raises(ConfigError, match=needle):
+            ProxyConfig(backends=back, routes=routes).validate()
+    assert parse_route("swe/high=smol") == ("swe/high", "smol")
+    with pytest.raises(ConfigError, match="WORKLOAD"):
+        parse_route("swe")

@@ -21,6 +21,7 @@ DSPINE_PROXY_KEY.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import (the cost map is local)
@@ -60,22 +61,30 @@ def acceptance_from_response(resp) -> dict | None:
 
 
 class DSpineLogger(CustomLogger):
-    def __init__(self, db: str, metrics_port: int = 0, fetch_timeout_s: float = 10.0):
+    def __init__(self, db: str, metrics_port: int = 0, fetch_timeout_s: float = 10.0, routes: dict | None = None):
         super().__init__()
+        self.routes = routes or {}  # WORKLOAD or WORKLOAD/LEVEL -> backend name (ProxyConfig.routes)
         self.store = AcceptanceStore(db)
         self.metrics = _metrics(metrics_port)
         self.fetch_timeout_s = fetch_timeout_s
 
     @classmethod
     def from_env(cls) -> DSpineLogger:
-        return cls(os.environ["DSPINE_PROXY_DB"], int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0))
+        return cls(os.environ["DSPINE_PROXY_DB"], int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0),
+                   routes=json.loads(os.environ.get("DSPINE_PROXY_ROUTES") or "{}"))  # fmt: skip
 
     async def async_pre_call_hook(self, user_api_key_dict, cache, data: dict, call_type):
         """Pass the workload on to the backend (LiteLLM keeps request metadata to itself), so the server's own
         record and metrics carry the same label; agent traffic (a request with a workload) also asks the backend
-        for its exact token ids, which the callback stores as a trace row."""
+        for its exact token ids, which the callback stores as a trace row. A route for the workload (and level)
+        sends the request to its backend."""
         md = data.get("metadata") or {}
         workload = md.get("workload") if isinstance(md, dict) else None
+        if workload is not None and self.routes:
+            level = data.get("reasoning_effort") or "none"
+            backend = self.routes.get(f"{workload}/{level}") or self.routes.get(str(workload))
+            if backend:
+                data["model"] = backend
         if workload is not None:
             extra = dict(data.get("extra_body") or {})
             extra["metadata"] = {**(extra.get("metadata") or {}), "workload": str(workload)}

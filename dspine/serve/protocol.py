@@ -34,6 +34,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 EFFORTS = ("none", "low", "medium", "high", "xhigh")
+# a drafter route: WORKLOAD or WORKLOAD/LEVEL (the server's per-workload drafters, the proxy's per-workload backends)
+ROUTE = re.compile(rf"[A-Za-z0-9_.-]{{1,64}}(/({'|'.join(EFFORTS)}))?")
 MAX_N = 16  # choices per request
 
 

@@ -41,6 +41,9 @@ class ProxyConfig:
     metrics_port: int = 0  # > 0: Prometheus metrics of the proxy's records on 127.0.0.1:metrics_port
     workdir: str = "runs/proxy"
     timeout_s: float = 600.0
+    # WORKLOAD or WORKLOAD/LEVEL -> backend name: a request with that metadata.workload (and reasoning_effort) goes
+    # to that backend whatever model it named — for backends of one target with drafters adapted per workload
+    routes: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
         if not self.backends:
@@ -51,6 +54,13 @@ class ProxyConfig:
         for b in self.backends:
             if not b.api_base.startswith(("http://", "https://")):
                 raise ConfigError(f"proxy: backend {b.name!r} needs an http(s) URL, got {b.api_base!r}")
+        from dspine.serve.protocol import ROUTE
+
+        for route, name in self.routes.items():
+            if not ROUTE.fullmatch(route):
+                raise ConfigError(f"proxy: route {route!r} is not WORKLOAD or WORKLOAD/LEVEL")
+            if name not in names:
+                raise ConfigError(f"proxy: route {route!r} names backend {name!r}, not one of {names}")
 
 
 def parse_backend(text: str) -> Backend:
@@ -62,6 +72,14 @@ def parse_backend(text: str) -> Backend:
     if "@" in url.split("//", 1)[-1]:
         url, served = url.rsplit("@", 1)
     return Backend(name=name.strip(), api_base=url.strip().rstrip("/"), model=served.strip())
+
+
+def parse_route(text: str) -> tuple[str, str]:
+    """ROUTE=BACKEND, e.g. tool=smol-tool or swe/high=smol-swe."""
+    route, sep, name = text.partition("=")
+    if not sep or not route.strip() or not name.strip():
+        raise ConfigError(f"--route {text!r} is not WORKLOAD[/LEVEL]=BACKEND")
+    return route.strip(), name.strip()
 
 
 def litellm_config(cfg: ProxyConfig) -> dict:
@@ -114,6 +132,7 @@ def proxy_env(cfg: ProxyConfig, key: str) -> dict:
             "DSPINE_PROXY_DB": str(Path(cfg.db).resolve()),
             "DSPINE_PROXY_METRICS_PORT": str(cfg.metrics_port),
             "DSPINE_PROXY_MODELS": ",".join(b.name for b in cfg.backends),
+            "DSPINE_PROXY_ROUTES": json.dumps(cfg.routes),
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "LITELLM_TELEMETRY": "False",
             "PYTHONPATH": os.pathsep.join(

@@ -11,6 +11,11 @@ system instruction with a reasoning-token budget) and echoed in the record. One 
 schedules at round boundaries (continuous batching): requests join a running batch between rounds and leave it as
 they finish, so a late short request never waits for a long one; a client that disconnects aborts its own row at
 its next round. `n` choices decode side by side and are recorded as one request (tokens and acceptance summed).
+
+Several drafters beside one target: POST /v1/dspine/drafter with a `route` ("tool", or "tool/high") loads a drafter
+for the requests of that workload (`metadata.workload`, which the proxy passes on) and thinking level; a request
+takes the most specific route that matches it ("tool/high", then "tool"), else the default drafter. Every record
+names the drafter that decoded it.
 """
 
 import asyncio
@@ -30,6 +35,7 @@ from dspine.process import free_port, wait_http
 from dspine.sampling import RequestError, SamplingParams
 from dspine.serve.metrics import AcceptanceMetrics
 from dspine.serve.protocol import (
+    ROUTE,
     AssistantMessage,
     ChatChoice,
     ChatRequest,
@@ -51,6 +57,18 @@ from dspine.serve.protocol import read_json as protocol_read_json
 from dspine.serve.records import RequestRecord
 
 REASONING_BUDGET = {"low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
+
+
+@dataclass
+class Route:
+    """A drafter serving the requests of one workload (and thinking level) beside the default one."""
+
+    engine: Engine
+    label: str | None
+    path: str | None
+
+    def info(self) -> dict:
+        return {"drafter": self.label, "path": self.path, "method": self.engine.method}
 
 
 def drafter_label(path: str) -> str:
@@ -145,8 +163,9 @@ class Batcher:
     beside them, and batches take one round each in turn. A row leaves its batch the round it finishes, its
     result handed back at once; batches that shrink merge again. A row whose client went away (on_token ->
     False) stops at its next round. `use` swaps the engine (another drafter): rows already decoding finish on
-    the engine they started with (batches of different engines never merge); each result names the drafter
-    that decoded it (`result.drafter`)."""
+    the engine they started with (batches of different engines never merge); rows submitted with a route
+    decode on its engine, in batches of their own; each result names the drafter that decoded it
+    (`result.drafter`)."""
 
     def __init__(self, engine: Engine, max_batch: int, label: str | None = None):
         self.engine, self.max_batch, self.label = engine, max(1, max_batch), label
@@ -156,15 +175,16 @@ class Batcher:
         self.thread = threading.Thread(target=self._loop, daemon=True, name="dspine-batcher")
         self.thread.start()
 
-    def submit(self, rows: list[tuple]) -> list:
-        """rows: [(prompt ids, SamplingParams, on_token)]; blocks until all are decoded -> [GenerationResult]
-        (raises what decoding raised)."""
+    def submit(self, rows: list[tuple], route: Route | None = None) -> list:
+        """rows: [(prompt ids, SamplingParams, on_token)], decoded by `route`'s engine (None: the default engine
+        when their batch starts); blocks until all are decoded -> [GenerationResult] (raises what decoding
+        raised)."""
         for ids, _, _ in rows:
-            self.engine.prompt_ids(ids)  # a bad prompt fails alone, before it joins a batch
+            (route.engine if route else self.engine).prompt_ids(ids)  # a bad prompt fails alone, before it joins
         futs = []
         for ids, params, on_token in rows:
             futs.append(Future())
-            self.jobs.put((ids, params, on_token or (lambda tok: True), futs[-1]))
+            self.jobs.put((ids, params, on_token or (lambda tok: True), futs[-1], route))
         return [f.result() for f in futs]
 
     def use(self, engine: Engine, label: str | None) -> None:
@@ -182,6 +202,7 @@ class Batcher:
         open_: dict = {}
         for job in jobs:
             key = self._key(job[1])
+            key = None if key is None else (id(job[4]), key)  # a routed drafter's rows batch apart
             g = open_.get(key) if key is not None else None
             if g is None or len(g) >= self.max_batch:
                 g = []
@@ -200,9 +221,11 @@ class Batcher:
                 return jobs
 
     def _start(self, group: list):
+        route = group[0][4]
+        engine, label = (route.engine, route.label) if route is not None else (self.engine, self.label)
         try:
-            run = BatchDecode(self.engine, [j[0] for j in group], [j[1] for j in group], [j[2] for j in group], group)
-            run.label = self.label
+            run = BatchDecode(engine, [j[0] for j in group], [j[1] for j in group], [j[2] for j in group], group)
+            run.label = label
             return run
         except Exception as e:
             for job in group:
@@ -271,6 +294,7 @@ class Service:
         self.drafter_name = drafter_name or (engine.method if engine.drafter is not None else None)
         self.drafter_path: str | None = None  # the folder served (what a rollback swaps back to)
         self.swaps: list[dict] = []
+        self.routes: dict[str, Route] = {}  # "tool" / "tool/high" -> a drafter beside the default one
         self.batcher = Batcher(engine, self.cfg.max_batch, self.drafter_name)
         self.records: OrderedDict[str, RequestRecord] = OrderedDict()
         self.metrics = ServerMetrics()
@@ -395,10 +419,24 @@ class Service:
         timer.daemon = True
         timer.start()
 
-    def swap_drafter(self, path: str, name: str | None = None) -> dict:
+    def swap_drafter(self, path: str, name: str | None = None, route: str | None = None, remove: bool = False) -> dict:
         """Serve another drafter ("none": AR): loaded and checked against the target first (a wrong or broken
         checkpoint raises CheckpointError and the current one keeps serving); batches already decoding
-        finish on the old drafter, new ones start on the new -> {"previous", "current"}."""
+        finish on the old drafter, new ones start on the new -> {"previous", "current"} (and "route"). With a
+        `route` (WORKLOAD or WORKLOAD/LEVEL) only that workload's requests change drafter; `remove` sends them
+        back to the default one."""
+        if route is not None:
+            return self._swap_route(route, path, name, remove)
+        engine, label = self._engine_for(path, name)
+        with self.lock:
+            previous = {"drafter": self.drafter_name, "path": self.drafter_path, "method": self.engine.method}
+            self.engine, self.drafter_name, self.drafter_path = engine, label, None if engine.drafter is None else path
+            self.batcher.use(engine, label)
+            current = {"drafter": label, "path": self.drafter_path, "method": engine.method}
+            self.swaps.append({"ts": time.time(), "previous": previous, "current": current})
+        return {"previous": previous, "current": current}
+
+    def _engine_for(self, path: str, name: str | None) -> tuple[Engine, str | None]:
         from dspine.checkpoint import draft_dtype, load_drafter
 
         tgt = self.engine.target
@@ -407,14 +445,36 @@ class Service:
         keep = self.engine.draft_len if drafter is not None and self.engine.drafter is not None else None
         B = drafter.config.block_size if drafter is not None else 1
         engine = Engine(tgt, drafter, keep if keep is not None and keep <= B - 1 else None)
-        label = None if drafter is None else (name or drafter_label(path))
+        return engine, None if drafter is None else (name or drafter_label(path))
+
+    def _swap_route(self, route: str, path: str, name: str | None, remove: bool) -> dict:
+        if not ROUTE.fullmatch(route):
+            raise ValueError(f"route {route!r}: WORKLOAD or WORKLOAD/LEVEL (level one of none/low/medium/high/xhigh)")
+        new = None
+        if not remove:
+            engine, label = self._engine_for(path, name)
+            new = Route(engine, label, None if engine.drafter is None else path)
         with self.lock:
-            previous = {"drafter": self.drafter_name, "path": self.drafter_path, "method": self.engine.method}
-            self.engine, self.drafter_name, self.drafter_path = engine, label, None if drafter is None else path
-            self.batcher.use(engine, label)
-            current = {"drafter": label, "path": self.drafter_path, "method": engine.method}
-            self.swaps.append({"ts": time.time(), "previous": previous, "current": current})
-        return {"previous": previous, "current": current}
+            old = self.routes.get(route)
+            if new is None:
+                self.routes.pop(route, None)
+            else:
+                self.routes[route] = new
+            previous, current = (r.info() if r else None for r in (old, new))
+            self.swaps.append({"ts": time.time(), "route": route, "previous": previous, "current": current})
+        return {"route": route, "previous": previous, "current": current}
+
+    def route_for(self, req: Parsed) -> Route | None:
+        """The most specific route of the request's workload and thinking level; None: the default drafter."""
+        with self.lock:
+            return self.routes.get(f"{req.workload}/{req.effort}") or self.routes.get(req.workload)
+
+    def drafters(self) -> dict:
+        """GET /v1/dspine/drafter: the default drafter, the routes, the latest swaps."""
+        with self.lock:
+            routes = {k: r.info() for k, r in sorted(self.routes.items())}
+            return {"drafter": self.drafter_name, "path": self.drafter_path, "method": self.engine.method,
+                    "routes": routes, "swaps": self.swaps[-20:]}  # fmt: skip
 
     # ---- generation ------------------------------------------------------------------------------------
     def run(self, req: Parsed, on_token=None, gone: threading.Event | None = None) -> tuple[RequestRecord, list]:
@@ -437,7 +497,7 @@ class Service:
         rows = [(req.ids, replace(req.params, seed=seeds[i]), cb(i)) for i in range(req.n)]
         self.metrics.inflight.inc()
         try:
-            results = self.batcher.submit(rows)
+            results = self.batcher.submit(rows, self.route_for(req))
         except RequestError as e:
             raise BadRequest(str(e)) from None
         finally:
@@ -664,14 +724,24 @@ def swap_request(service: Service, authorization: str | None, raw: bytes) -> dic
     if authorization != f"Bearer {service.cfg.admin_key}":
         raise BadRequest("a drafter swap needs the admin key (Authorization: Bearer ...)", status=401)
     body = read_json(raw)
-    if not isinstance(body, dict) or not isinstance(body.get("drafter"), str):
-        raise BadRequest(
-            "the body must be a JSON object with 'drafter': a checkpoint folder or 'none'", param="drafter"
-        )
-    if body.get("name") is not None and not isinstance(body["name"], str):
-        raise BadRequest("'name' must be a string", param="name")
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object", param="drafter")
+    unknown = sorted(set(body) - {"drafter", "name", "route", "remove"})
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}: drafter, name, route, remove", param=unknown[0])
+    remove = body.get("remove", False)
+    if not isinstance(remove, bool) or (remove and not isinstance(body.get("route"), str)):
+        raise BadRequest("'remove' is true or false, and true only with a 'route'", param="remove")
+    if not remove and not isinstance(body.get("drafter"), str):
+        raise BadRequest("'drafter' must be a checkpoint folder or 'none'", param="drafter")
+    for key in ("name", "route"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise BadRequest(f"'{key}' must be a string", param=key)
+    if body.get("route") is not None and not ROUTE.fullmatch(body["route"]):
+        raise BadRequest(f"route {body['route']!r}: WORKLOAD or WORKLOAD/LEVEL (level: none/low/medium/high/xhigh)",
+                         param="route")  # fmt: skip
     try:
-        return service.swap_drafter(body["drafter"], body.get("name"))
+        return service.swap_drafter(body.get("drafter", "none"), body.get("name"), body.get("route"), remove)
     except (CheckpointError, ValueError) as e:  # refused before the swap: the current drafter keeps serving
         raise BadRequest(f"drafter refused: {e}", param="drafter") from None
 
@@ -761,11 +831,10 @@ def create_app(service: Service):
 
     @app.get("/v1/dspine/drafter")
     async def drafter_info():
-        return {"drafter": service.drafter_name, "path": service.drafter_path, "method": service.engine.method,
-                "swaps": service.swaps[-20:]}  # fmt: skip
+        return service.drafters()
 
     @app.post("/v1/dspine/drafter")
-    async def drafter_swap(request: Request):  # {"drafter": FOLDER | "none", "name": optional label}
+    async def drafter_swap(request: Request):  # {"drafter": FOLDER | "none", "name", "route", "remove": optional}
         from starlette.concurrency import run_in_threadpool
 
         try:
