@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     except (ConfigError, DeployError, OSError, ValueError) as e:
         print(f"deploy: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({k: entry.get(k) for k in ("action", "group", "route", "drafter", "gated_tau", "live", "reasons")}))
+    keys = ("action", "group", "route", "drafter", "gated_tau", "live", "reasons")
+    print(json.dumps({k: entry.get(k) for k in keys}))
     return 0 if entry["action"] == "deployed" else 3
 
 
