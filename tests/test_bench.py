@@ -28,11 +28,20 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
                 "--no-progress",
                 "--concurrency",
                 "1,2",
+                "--dtype",
+                "float32,bfloat16",
             ]
         )
         == 0
     )
     doc = json.loads(out.read_text())
+    # the bf16 target beside the fp32 reference: its own AR, speed against both ARs, its AR match rates
+    bf = doc["rows"]["dspine@bf16"]
+    assert doc["other_dtypes"] == {"bf16": "bfloat16"} and doc["rows"]["ar@bf16"]["speedup_vs_own_ar"] == 1.0
+    assert bf["match_own_ar"] == 1.0 and doc["by_concurrency"]["2"]["dspine@bf16"]["match_own_ar"] == 1.0  # lossless
+    assert doc["rows"]["dspine"]["match_ar"] == 1.0 and bf["match_ar"] == doc["rows"]["ar@bf16"]["match_ar"]
+    assert bf["speedup_vs_ar"] == bf["tokens_per_s"] / doc["rows"]["ar"]["tokens_per_s"]
+    assert abs(bf["round_over_ar_step"] - bf["round_ms"] / doc["rows"]["ar@bf16"]["ar_step_ms"]) < 1e-9
     ar, ds = doc["rows"]["ar"], doc["rows"]["dspine"]
     assert doc["concurrency"] == 1 and ar["speedup_vs_ar"] == 1.0 and ar["tokens"] == ds["tokens"] == 10
     assert ds["rounds"] >= 1 and set(ds["phase_ms_per_round"]) == {"draft", "propose", "verify", "commit"}
@@ -43,6 +52,10 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     c2 = doc["by_concurrency"]["2"]
     assert c2["ar"]["tokens"] == c2["dspine"]["tokens"] == 10 and c2["dspine"]["tau_mean"] >= 1.0
     assert "| dspine |" in capsys.readouterr().out and out.with_suffix(".md").is_file()
+    for bad in ("float32,float32", "float32,int8", ""):
+        assert main(["bench", "--dtype", bad]) == 2 and "--dtype" in capsys.readouterr().err
+    assert main(["bench", "--backend", "sglang", "--dtype", "float32,bfloat16"]) == 2
+    assert "one dtype with --backend sglang" in capsys.readouterr().err
     # SGLang needs CUDA: here it is absent, which the sglang backend says after checking its own options
     assert main(["bench", "--backend", "sglang", "--concurrency", "1,x"]) == 2
     assert "--concurrency" in capsys.readouterr().err

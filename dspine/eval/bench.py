@@ -4,6 +4,11 @@ cache + walk, target verify, commit) from device-synchronised timing. AR always 
 
 At concurrency c > 1 the engine decodes groups of c requests together (engine.generate_batch) and reports
 throughput and τ; `--backend sglang` (dspine/sglang/bench.py) gives the same tables from SGLang servers.
+
+Target dtypes side by side (`--dtype float32,bfloat16`): the first is the reference; the others add rows
+"NAME@DTYPE" (their own AR included). Every row reports its speed against the reference AR and against the AR of
+its own dtype, and its AR match rate: the share of requests whose tokens equal the reference AR's (a faster
+dtype is lossless against its own AR — `match_own_ar` — but not necessarily against fp32's).
 """
 
 from __future__ import annotations
@@ -39,33 +44,41 @@ def engine_bench(
     progress: bool = True,
     concurrencies: list[int] | None = None,
     draft_lens: list[int] | None = None,
+    other_targets: dict | None = None,
 ) -> dict:
     """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: the items in groups of c, each
     group decoded together (engine.generate_batch), throughput and τ only. `draft_lens`: each drafter is
     measured at each of these drafts-per-round (rows "<name>/d<D>"), side by side. Every request (or group)
     runs on all engines in turn before the next, so a machine whose speed drifts (a shared VM) shifts every
-    row alike; each row's tokens/s is over its own decoding time."""
+    row alike; each row's tokens/s is over its own decoding time. `other_targets` {DTYPE tag: (target,
+    drafters)}: the same rows for the target in another dtype, named NAME@TAG (module docstring)."""
     from tqdm.auto import tqdm
 
     items = [(b, it) for b in benchmarks for it in load_benchmark(b, limit)]
-    engines = {"ar": Engine(target)}
-    for n, d in drafters.items():
-        for D in draft_lens or [None]:
-            engines[n if D is None else f"{n}/d{D}"] = Engine(target, d, D)
+    engines: dict[str, Engine] = {}
+    own_ar: dict[str, str] = {}  # row -> the AR row of its target
+    sets = {"": (target, drafters), **{f"@{k}": v for k, v in (other_targets or {}).items()}}
+    for suffix, (tgt, drs) in sets.items():
+        engines["ar" + suffix], own_ar["ar" + suffix] = Engine(tgt), "ar" + suffix
+        for n, d in drs.items():
+            for D in draft_lens or [None]:
+                name = (n if D is None else f"{n}/d{D}") + suffix
+                engines[name], own_ar[name] = Engine(tgt, d, D), "ar" + suffix
     batched = [c for c in (concurrencies or [1]) if c > 1]
     bar = tqdm(total=len(items) * len(engines) * (1 + len(batched)), desc="bench", disable=not progress)
-    rows, tau_bench = _bench_single(engines, items, max_new_tokens, temperature, bar)
+    rows, tau_bench = _bench_single(engines, own_ar, items, max_new_tokens, temperature, bar)
     by_conc = {"1": rows}
     for c in batched:
-        by_conc[str(c)] = _bench_batched(engines, items, c, max_new_tokens, temperature, bar)
+        by_conc[str(c)] = _bench_batched(engines, own_ar, items, c, max_new_tokens, temperature, bar)
     bar.close()
     for crows in by_conc.values():
-        for row in crows.values():
+        for name, row in crows.items():
             row["speedup_vs_ar"] = row["tokens_per_s"] / crows["ar"]["tokens_per_s"]
-    ar = rows["ar"]
+            row["speedup_vs_own_ar"] = row["tokens_per_s"] / crows[own_ar[name]]["tokens_per_s"]
     for name, row in rows.items():
-        if name != "ar" and ar["ar_step_ms"]:
-            row["round_over_ar_step"] = row["round_ms"] / ar["ar_step_ms"]
+        step = rows[own_ar[name]]["ar_step_ms"]
+        if name != own_ar[name] and step:
+            row["round_over_ar_step"] = row["round_ms"] / step
     return {
         "backend": "engine",
         "concurrency": 1,
@@ -78,11 +91,21 @@ def engine_bench(
         "temperature": temperature,
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
+        "other_dtypes": {k: str(t.dtype).replace("torch.", "") for k, (t, _) in (other_targets or {}).items()},
         **provenance(),
     }
 
 
-def _bench_single(engines: dict, items: list, max_new_tokens: int, temperature: float, bar) -> tuple[dict, dict]:
+def _matches(results: dict, own_ar: dict, row: dict, name: str) -> None:
+    """The row's AR match rates: requests whose tokens equal the reference AR's ("ar") and its own dtype's AR's."""
+    for key, ref in (("match_ar", "ar"), ("match_own_ar", own_ar[name])):
+        pairs = list(zip(results[name], results[ref]))
+        row[key] = sum(a.token_ids == b.token_ids for a, b in pairs) / max(1, len(pairs))
+
+
+def _bench_single(
+    engines: dict, own_ar: dict, items: list, max_new_tokens: int, temperature: float, bar
+) -> tuple[dict, dict]:
     """Concurrency 1, phases timed, every request on all engines in turn -> (rows, τ per benchmark per row)."""
     results = {name: [] for name in engines}
     seconds = dict.fromkeys(engines, 0.0)
@@ -104,7 +127,8 @@ def _bench_single(engines: dict, items: list, max_new_tokens: int, temperature: 
     rows, tau_bench = {}, {}
     for name in engines:
         row = _row(results[name], seconds[name])
-        if name == "ar":
+        _matches(results, own_ar, row, name)
+        if name == own_ar[name]:
             steps = max(1, row["tokens"] - len(items))  # the first token of each request comes from the prefill
             row["ar_step_ms"] = 1000 * totals[name].get("ar_step", 0.0) / steps
         else:
@@ -115,7 +139,8 @@ def _bench_single(engines: dict, items: list, max_new_tokens: int, temperature: 
     return rows, tau_bench
 
 
-def _bench_batched(engines: dict, items: list, c: int, max_new_tokens: int, temperature: float, bar) -> dict:
+def _bench_batched(engines: dict, own_ar: dict, items: list, c: int, max_new_tokens: int, temperature: float,
+                   bar) -> dict:  # fmt: skip
     """Groups of c decoded together, every group on all engines in turn -> rows (throughput and τ)."""
     results = {name: [] for name in engines}
     seconds = dict.fromkeys(engines, 0.0)
@@ -129,7 +154,10 @@ def _bench_batched(engines: dict, items: list, c: int, max_new_tokens: int, temp
             )
             seconds[name] += time.perf_counter() - t0
             bar.update(len(items[g : g + c]))
-    return {name: _row(results[name], seconds[name]) for name in engines}
+    rows = {name: _row(results[name], seconds[name]) for name in engines}
+    for name, row in rows.items():
+        _matches(results, own_ar, row, name)
+    return rows
 
 
 def cpu_summary(doc: dict) -> dict:
@@ -142,22 +170,28 @@ def cpu_summary(doc: dict) -> dict:
             continue
         out[name] = {
             "spec_vs_ar_c1": r["speedup_vs_ar"],
+            "spec_vs_own_ar_c1": r["speedup_vs_own_ar"],
             "round_over_ar_step": r.get("round_over_ar_step"),
             "tau": r.get("tau_mean"),
+            "match_ar": r["match_ar"],
+            "match_own_ar": r["match_own_ar"],
             **{f"spec_vs_ar_c{c}": cr[name]["speedup_vs_ar"] for c, cr in by_conc.items() if c != "1"},
         }
-    keep = ("benchmarks", "limit", "max_new_tokens", "git_sha", "command", "hardware")
-    return {"rows": out, "ar_tokens_per_s_c1": rows["ar"]["tokens_per_s"], **{k: doc[k] for k in keep}}
+    keep = ("benchmarks", "limit", "max_new_tokens", "dtype", "git_sha", "command", "hardware")
+    return {"rows": out, "ar_tokens_per_s_c1": rows["ar"]["tokens_per_s"], **{k: doc.get(k) for k in keep},
+            "other_dtypes": doc.get("other_dtypes") or {}}  # fmt: skip
 
 
 def _method_rows(doc: dict) -> str:
     rows = []
     for name, r in doc["rows"].items():
         split = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phase_ms_per_round", {}).items()) or "—"
-        rows.append([name, f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}", f"{r.get('tau_mean', 1.0):.3f}",
+        rows.append([name, f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}",
+                     f"{r.get('speedup_vs_own_ar', r['speedup_vs_ar']):.2f}", f"{r.get('tau_mean', 1.0):.3f}",
                      f"{r.get('round_ms', r.get('ar_step_ms', 0)):.2f}", f"{r.get('round_over_ar_step', 1.0):.2f}",
-                     split])  # fmt: skip
-    return md_table(["method", "tok/s", "× AR", "τ", "round ms", "round / AR step", "round split, ms"], rows)
+                     f"{r['match_ar']:.2f}" if "match_ar" in r else "—", split])  # fmt: skip
+    header = ["method", "tok/s", "× AR", "× own AR", "τ", "round ms", "round / AR step", "= AR", "round split, ms"]
+    return md_table(header, rows)
 
 
 def _concurrency_rows(doc: dict) -> str:
