@@ -7,8 +7,10 @@ throughput and τ; `--backend sglang` (dspine/sglang/bench.py) gives the same ta
 
 Target dtypes side by side (`--dtype float32,bfloat16`): the first is the reference; the others add rows
 "NAME@DTYPE" (their own AR included). Every row reports its speed against the reference AR and against the AR of
-its own dtype, and its AR match rate: the share of requests whose tokens equal the reference AR's (a faster
-dtype is lossless against its own AR — `match_own_ar` — but not necessarily against fp32's).
+its own dtype, and its AR match rates: the share of requests whose tokens equal the reference AR's (`match_ar`)
+and its own dtype's AR's (`match_own_ar`). Only fp32 speculative decoding is lossless token for token; in bf16 a
+verify forward over k tokens rounds differently from k one-token AR steps (the GEMMs are not batch-invariant),
+so a bf16 row's match with its own AR is a measured rate, not a guarantee.
 """
 
 from __future__ import annotations
