@@ -300,40 +300,17 @@ def fused_injection(
     BM, BN = 16, 16  # the smallest dot tiles: most programs at batch 1, where latency rules
     rows = triton_cdiv(n_rows, BM)
     if variant == "gemm":
-        _, message = _split_kernels()
         h2 = h.view(n_rows, D)
         raw = torch.mm(h2, inj.readout.weight.t())  # (n_rows, r) h·R^T, normalised in the message kernel
         nrm = torch.linalg.vector_norm(h2, dim=-1, dtype=torch.float32)  # (n_rows,)
         msg = torch.empty(n_rows, S, device=h.device, dtype=h.dtype)
-        message[(rows, triton_cdiv(S, BN))](
-            raw,
-            anc,
-            msg,
-            inj.gate_f.weight,
-            inj.gate_f.bias,
-            inj.gate_p.weight,
-            inj.message.weight,
-            nrm,
-            inj.readout.bias,
-            f,
-            n_rows,
-            B,
-            eps,
-            D,
-            R=R,
-            S=S,
-            BLOCK_M=BM,
-            BLOCK_R=32,
-            BLOCK_S=BN,
-            FROM_RAW=True,
-            **prec,
-        )
+        _gate_message(inj, raw, anc, msg, B, eps, D, prec, norms=nrm, f=f)
         # anchor rows of msg are 0, so they keep h exactly
         torch.addmm(h2, msg, inj.write.weight.t(), out=out.view(n_rows, D))
         return out, f
     msg = torch.empty(n_rows, S, device=h.device, dtype=torch.float32)  # gate ⊙ message, fp32
     if variant == "split":
-        linear, message = _split_kernels()
+        linear, _ = _split_kernels()
         linear[(rows, triton_cdiv(R, BN))](
             h,
             inj.readout.weight,
@@ -351,29 +328,7 @@ def fused_injection(
             BLOCK_K=64,
             **prec,
         )
-        message[(rows, triton_cdiv(S, BN))](
-            f,
-            anc,
-            msg,
-            inj.gate_f.weight,
-            inj.gate_f.bias,
-            inj.gate_p.weight,
-            inj.message.weight,
-            msg,
-            msg,
-            msg,
-            n_rows,
-            B,
-            eps,
-            D,
-            R=R,
-            S=S,
-            BLOCK_M=BM,
-            BLOCK_R=32,
-            BLOCK_S=BN,
-            FROM_RAW=False,
-            **prec,
-        )
+        _gate_message(inj, f, anc, msg, B, eps, D, prec)
         linear[(rows, triton_cdiv(D, BN))](
             msg,
             inj.write.weight,
@@ -420,6 +375,38 @@ def fused_injection(
         **prec,
     )
     return out, f
+
+
+def _gate_message(inj, src, anc, msg, B: int, eps: float, D: int, prec: dict, norms=None, f=None) -> None:
+    """msg (n_rows, s) = gate ⊙ message of every row (0 on anchor slots), from the readouts src (n_rows, r); with
+    `norms` (n_rows,) = |h|, src holds the raw h·R^T instead and the readouts formed on the way go to f."""
+    _, message = _split_kernels()
+    R, S = inj.readout.out_features, inj.message.out_features
+    n_rows = src.numel() // R
+    raw = norms is not None
+    message[(triton_cdiv(n_rows, 16), triton_cdiv(S, 16))](
+        src,
+        anc,
+        msg,
+        inj.gate_f.weight,
+        inj.gate_f.bias,
+        inj.gate_p.weight,
+        inj.message.weight,
+        norms if raw else msg,
+        inj.readout.bias,
+        f if raw else msg,
+        n_rows,
+        B,
+        eps,
+        D,
+        R=R,
+        S=S,
+        BLOCK_M=16,
+        BLOCK_R=32,
+        BLOCK_S=16,
+        FROM_RAW=raw,
+        **prec,
+    )
 
 
 def triton_cdiv(a: int, b: int) -> int:
