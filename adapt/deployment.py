@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspine.agents.base import LEVELS
 from dspine.stats import AcceptanceStats
 
 
@@ -47,9 +48,6 @@ class DeployConfig:
     live_tolerance: float = 0.8  # roll back below this share of the gated τ
     route: str = "auto"  # the server route: "auto" (from the group: all -> default, tool -> tool, tool-high ->
     # tool/high), "default", or a route (WORKLOAD or WORKLOAD/LEVEL)
-
-
-LEVELS = ("none", "low", "medium", "high", "xhigh")
 
 
 def route_of(group: str, route: str = "auto") -> str | None:

@@ -36,6 +36,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 EFFORTS = ("none", "low", "medium", "high", "xhigh")
 # a drafter route: WORKLOAD or WORKLOAD/LEVEL (the server's per-workload drafters, the proxy's per-workload backends)
 ROUTE = re.compile(rf"[A-Za-z0-9_.-]{{1,64}}(/({'|'.join(EFFORTS)}))?")
+ROUTE_FORM = f"WORKLOAD or WORKLOAD/LEVEL (LEVEL one of {'/'.join(EFFORTS)})"
 MAX_N = 16  # choices per request
 
 

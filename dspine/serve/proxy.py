@@ -54,11 +54,11 @@ class ProxyConfig:
         for b in self.backends:
             if not b.api_base.startswith(("http://", "https://")):
                 raise ConfigError(f"proxy: backend {b.name!r} needs an http(s) URL, got {b.api_base!r}")
-        from dspine.serve.protocol import ROUTE
+        from dspine.serve.protocol import ROUTE, ROUTE_FORM
 
         for route, name in self.routes.items():
             if not ROUTE.fullmatch(route):
-                raise ConfigError(f"proxy: route {route!r} is not WORKLOAD or WORKLOAD/LEVEL")
+                raise ConfigError(f"proxy: route {route!r} is not {ROUTE_FORM}")
             if name not in names:
                 raise ConfigError(f"proxy: route {route!r} names backend {name!r}, not one of {names}")
 

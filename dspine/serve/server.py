@@ -36,6 +36,7 @@ from dspine.sampling import RequestError, SamplingParams
 from dspine.serve.metrics import AcceptanceMetrics
 from dspine.serve.protocol import (
     ROUTE,
+    ROUTE_FORM,
     AssistantMessage,
     ChatChoice,
     ChatRequest,
@@ -449,7 +450,7 @@ class Service:
 
     def _swap_route(self, route: str, path: str, name: str | None, remove: bool) -> dict:
         if not ROUTE.fullmatch(route):
-            raise ValueError(f"route {route!r}: WORKLOAD or WORKLOAD/LEVEL (level one of none/low/medium/high/xhigh)")
+            raise ValueError(f"route {route!r}: {ROUTE_FORM}")
         new = None
         if not remove:
             engine, label = self._engine_for(path, name)
@@ -738,8 +739,7 @@ def swap_request(service: Service, authorization: str | None, raw: bytes) -> dic
         if body.get(key) is not None and not isinstance(body[key], str):
             raise BadRequest(f"'{key}' must be a string", param=key)
     if body.get("route") is not None and not ROUTE.fullmatch(body["route"]):
-        raise BadRequest(f"route {body['route']!r}: WORKLOAD or WORKLOAD/LEVEL (level: none/low/medium/high/xhigh)",
-                         param="route")  # fmt: skip
+        raise BadRequest(f"route {body['route']!r}: {ROUTE_FORM}", param="route")
     try:
         return service.swap_drafter(body.get("drafter", "none"), body.get("name"), body.get("route"), remove)
     except (CheckpointError, ValueError) as e:  # refused before the swap: the current drafter keeps serving
