@@ -201,6 +201,15 @@ def _add_serve(sub) -> None:
         help="bearer key of POST /v1/dspine/drafter, which swaps the served drafter without dropping requests "
         "(adapt/deploy.py); unset: swaps disabled (default: $DSPINE_ADMIN_KEY)",
     )
+    s.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="WORKLOAD[/LEVEL]=CHECKPOINT",
+        help="another drafter beside the default one for the requests of a workload (metadata.workload; /LEVEL: "
+        "and reasoning_effort), repeatable, e.g. tool=runs/adapted/tool or swe/high=none (AR); a request takes "
+        "the most specific route that matches it, else --drafter",
+    )
 
 
 def _add_proxy(sub) -> None:
@@ -642,13 +651,22 @@ def cmd_serve(a) -> int:
     if a.max_batch < 1 or a.max_queue < 1 or a.grace_seconds < 0 or (a.request_timeout or 1) <= 0:
         raise UsageError("--max-batch and --max-queue must be >= 1, --grace-seconds >= 0, --request-timeout > 0")
     a.drafter = resolve_drafter(a.drafter, a.target, default=True)
+    from dspine.serve.protocol import ROUTE, ROUTE_FORM
+
+    routes = {}
+    for text in a.route:
+        route, sep, path = text.partition("=")
+        if not sep or not path or not ROUTE.fullmatch(route):
+            raise UsageError(f"--route {text!r} is not ROUTE=CHECKPOINT, ROUTE being {ROUTE_FORM}")
+        routes[route] = resolve_drafter(path, a.target) or path
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = load_drafter(a.drafter, target, dtype=_draft_dtype(a, target), device=a.device) if a.drafter else None
     cfg = ServeConfig(a.served_model_name, a.max_prompt_tokens, max_batch=a.max_batch, max_queue=a.max_queue,
                       grace_s=a.grace_seconds, admin_key=a.admin_key, request_timeout_s=a.request_timeout,
                       draft_dtype=a.draft_dtype)  # fmt: skip
     name = drafter_label(a.drafter) if a.drafter else None
-    serve(_engine(target, drafter, a.draft_len), a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter)
+    serve(_engine(target, drafter, a.draft_len), a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter,
+          routes=routes)  # fmt: skip
     return 0
 
 

@@ -50,7 +50,8 @@ def server(smollm2_drafters, tmp_path_factory):
     shutil.copytree(a, root / "broken")
     wfile = root / "broken" / "model.safetensors"
     wfile.write_bytes(wfile.read_bytes()[:1000])
-    proc, base = start_server_process(str(a), "smol", extra=["--admin-key", KEY, "--max-prompt-tokens", "200"])
+    extra = ["--admin-key", KEY, "--max-prompt-tokens", "200", "--route", f"review={root / 'b' / 'dflash'}"]
+    proc, base = start_server_process(str(a), "smol", extra=extra)
     try:
         yield base, root
     finally:
@@ -147,8 +148,16 @@ def test_routes_send_each_workload_to_its_own_drafter(server, tmp_path):
     """Several drafters beside one target: a route per workload (and level), requests of both kinds decoding at
     once (each equal to AR's), adapt/deploy.py deploying a workload's group to its route, roll-backs that restore
     the route or remove it, and bad swap bodies refused by name."""
+    from dspine.cli import main
+
     base, root = server
     url = "/v1/dspine/drafter"
+    assert call(base, url)[1]["routes"] == {
+        "review": {"drafter": "b/dflash", "path": str(root / "b" / "dflash"), "method": "dflash"}
+    }  # dspine serve --route, at start
+    assert call(base, url, {"route": "review", "remove": True}, KEY)[1]["previous"]["drafter"] == "b/dflash"
+    for bad in ("tool", "to ol=none", "tool/loud=none"):  # refused before anything loads
+        assert main(["serve", "--route", bad]) == 2
     call(base, url, {"drafter": str(root / "a" / "dspine"), "name": "a/dspine"}, KEY)
     status, r = call(base, url, {"drafter": str(root / "b" / "dflash"), "name": "b/tool", "route": "tool"}, KEY)
     assert status == 200 and r["route"] == "tool" and r["previous"] is None and r["current"]["method"] == "dflash"

@@ -876,11 +876,16 @@ def serve(
     cfg: ServeConfig | None = None,
     drafter_name: str | None = None,
     drafter_path: str | None = None,
+    routes: dict[str, str] | None = None,
 ) -> None:
+    """Serve until SIGTERM / SIGINT. `routes` {WORKLOAD[/LEVEL]: checkpoint}: drafters beside the default one,
+    loaded (and checked against the target) before the port opens."""
     import uvicorn
 
     service = Service(engine, cfg, drafter_name)
     service.drafter_path = drafter_path
+    for route, path in (routes or {}).items():
+        service.swap_drafter(path, None, route)
     mode = thinking_mode(engine.target.info.model_type)
     if mode["mode"] != "enable_thinking":
         print(f"dspine serve: reasoning_effort on {engine.target.name}: {mode['detail']}", file=sys.stderr, flush=True)
