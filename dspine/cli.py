@@ -651,13 +651,14 @@ def cmd_serve(a) -> int:
     if a.max_batch < 1 or a.max_queue < 1 or a.grace_seconds < 0 or (a.request_timeout or 1) <= 0:
         raise UsageError("--max-batch and --max-queue must be >= 1, --grace-seconds >= 0, --request-timeout > 0")
     a.drafter = resolve_drafter(a.drafter, a.target, default=True)
-    from dspine.serve.protocol import ROUTE, ROUTE_FORM
+    from dspine.serve.protocol import split_route
 
     routes = {}
     for text in a.route:
-        route, sep, path = text.partition("=")
-        if not sep or not path or not ROUTE.fullmatch(route):
-            raise UsageError(f"--route {text!r} is not ROUTE=CHECKPOINT, ROUTE being {ROUTE_FORM}")
+        try:
+            route, path = split_route(text, "CHECKPOINT")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         routes[route] = resolve_drafter(path, a.target) or path
     target = load_target(a.target, dtype=_dtype(a.dtype), device=a.device)
     drafter = load_drafter(a.drafter, target, dtype=_draft_dtype(a, target), device=a.device) if a.drafter else None

@@ -81,8 +81,9 @@ class DSpineLogger(CustomLogger):
         md = data.get("metadata") or {}
         workload = md.get("workload") if isinstance(md, dict) else None
         if workload is not None and self.routes:
-            level = data.get("reasoning_effort") or "none"
-            backend = self.routes.get(f"{workload}/{level}") or self.routes.get(str(workload))
+            from dspine.serve.protocol import route_of_request
+
+            backend = route_of_request(self.routes, workload, data.get("reasoning_effort"))
             if backend:
                 data["model"] = backend
         if workload is not None:

@@ -37,6 +37,22 @@ EFFORTS = ("none", "low", "medium", "high", "xhigh")
 # a drafter route: WORKLOAD or WORKLOAD/LEVEL (the server's per-workload drafters, the proxy's per-workload backends)
 ROUTE = re.compile(rf"[A-Za-z0-9_.-]{{1,64}}(/({'|'.join(EFFORTS)}))?")
 ROUTE_FORM = f"WORKLOAD or WORKLOAD/LEVEL (LEVEL one of {'/'.join(EFFORTS)})"
+
+
+def route_of_request(routes: dict, workload, level: str | None):
+    """The most specific of `routes` for a request: WORKLOAD/LEVEL, then WORKLOAD; None when neither is there."""
+    return routes.get(f"{workload}/{level or 'none'}") or routes.get(str(workload))
+
+
+def split_route(text: str, value: str) -> tuple[str, str]:
+    """ROUTE=VALUE (a --route option) -> (route, value); ValueError naming the expected form."""
+    route, sep, rest = text.partition("=")
+    route, rest = route.strip(), rest.strip()
+    if not sep or not rest or not ROUTE.fullmatch(route):
+        raise ValueError(f"--route {text!r} is not ROUTE={value}, ROUTE being {ROUTE_FORM}")
+    return route, rest
+
+
 MAX_N = 16  # choices per request
 
 

@@ -76,10 +76,12 @@ def parse_backend(text: str) -> Backend:
 
 def parse_route(text: str) -> tuple[str, str]:
     """ROUTE=BACKEND, e.g. tool=smol-tool or swe/high=smol-swe."""
-    route, sep, name = text.partition("=")
-    if not sep or not route.strip() or not name.strip():
-        raise ConfigError(f"--route {text!r} is not WORKLOAD[/LEVEL]=BACKEND")
-    return route.strip(), name.strip()
+    from dspine.serve.protocol import split_route
+
+    try:
+        return split_route(text, "BACKEND")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def litellm_config(cfg: ProxyConfig) -> dict:

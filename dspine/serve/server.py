@@ -50,6 +50,7 @@ from dspine.serve.protocol import (
     logprobs_doc,
     parse_request,
     parse_tool_calls,
+    route_of_request,
     streamable_prefix,
     template_has_tools,
     template_messages,
@@ -468,7 +469,7 @@ class Service:
     def route_for(self, req: Parsed) -> Route | None:
         """The most specific route of the request's workload and thinking level; None: the default drafter."""
         with self.lock:
-            return self.routes.get(f"{req.workload}/{req.effort}") or self.routes.get(req.workload)
+            return route_of_request(self.routes, req.workload, req.effort)
 
     def drafters(self) -> dict:
         """GET /v1/dspine/drafter: the default drafter, the routes, the latest swaps."""
