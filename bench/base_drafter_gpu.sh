@@ -4,11 +4,19 @@
 # moved out of the working tree (it and the target's half exceed the 64 MiB a call carries), and one call taking
 # .carry/m1:  mkdir -p /tmp/target && cp .carry/m1/* /tmp/target/
 # Then, back to back, each a call taking .carry/m2 and .carry/whl:
-#   bash bench/base_drafter_gpu.sh start S [MORE]  regenerate (bf16), then train until S seconds after the call
-#                                                  began; the cosine spans this call's training + MORE seconds
+#   bash bench/base_drafter_gpu.sh stage DIR       copy what an earlier run brought back (carried in DIR: data.tar.*,
+#                                                  dspine.part*, dflash.part* and *_config.json) into place: the
+#                                                  packed data (regen then has nothing left to answer) and both
+#                                                  drafters to warm-start from (several calls when over 64 MiB)
+#   bash bench/base_drafter_gpu.sh start S [MORE]  regenerate (bf16) what is not there yet, pick the batch size
+#                                                  (bench/train_step.py --pick), then train until S seconds after
+#                                                  the call began — from the staged drafters' weights when there
+#                                                  are both; the cosine spans this call's training + MORE seconds
 #   bash bench/base_drafter_gpu.sh more S          resume training until S seconds after the call began
 #   bash bench/base_drafter_gpu.sh eval            the 7-benchmark τ table (T = 0 and 1, DSpine vs DFlash) to $OUT,
 #                                                  the DSpine drafter in the shipped format in 15 MB pieces
+#   bash bench/base_drafter_gpu.sh back            the DFlash twin (shipped format) and the packed data in 15 MB
+#                                                  pieces, for the next run's `stage` (the lockstep continues)
 # Everything lives in /tmp/base on the machine (kept while it stays warm); what comes back is in $OUT.
 set -euo pipefail
 t0=$(date +%s)
@@ -17,15 +25,27 @@ export PYTHONPATH=/tmp/site:$PWD
 W=/tmp/base
 mkdir -p $W
 left() { echo $(( $1 - ($(date +%s) - t0) )); }
-common() { echo --base --work $W --no-progress target=/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf \
-  regen_dtype=bfloat16 train.time_budget_s=$(cat $W/budget_s 2>/dev/null || echo 1000); }
+warm() { [ -f $W/warm/dspine/model.safetensors ] && [ -f $W/warm/dflash/model.safetensors ] && echo warm_from=$W/warm || true; }
+ovr() { echo target=/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf regen_dtype=bfloat16 \
+  train.time_budget_s=$(cat $W/budget_s 2>/dev/null || echo 1000) train.batch_size=$(cat $W/batch_size 2>/dev/null || echo 16); }
+common() { echo --base --work $W --no-progress $(ovr); }
 case "$1" in
+stage)
+  for m in dspine dflash; do
+    if ls "$2"/$m.part* > /dev/null 2>&1; then
+      mkdir -p $W/warm/$m && cat "$2"/$m.part* > $W/warm/$m/model.safetensors && cp "$2"/${m}_config.json $W/warm/$m/config.json
+    fi
+  done
+  if ls "$2"/data.tar.* > /dev/null 2>&1; then cat "$2"/data.tar.* | tar x -C $W; fi
+  find $W -maxdepth 3 -type f | sort ;;
 start)
   timeout "$(left "$2")" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
+  (python bench/train_step.py --work $W --pick --out $OUT/train_step.json $(ovr) || echo 16) | tail -n 1 > $W/batch_size
+  echo "batch size: $(cat $W/batch_size) ($(warm))"
   s=$(left $(($2 - 45)))  # the target's load and the checkpoint writes
   echo $(( (s > 60 ? s : 0) + ${3:-450} )) > $W/budget_s
   echo "training budget: $(cat $W/budget_s) s"
-  if [ "$s" -gt 60 ]; then python bench/recipe.py --stage train $(common) train.stop_after_s=$s | tail -c 2500; fi ;;
+  if [ "$s" -gt 60 ]; then python bench/recipe.py --stage train $(common) $(warm) train.stop_after_s=$s | tail -c 2500; fi ;;
 more)
   r=$([ -f $W/train_report.json ] && echo --resume || true)
   python bench/recipe.py --stage train $r $(common) train.stop_after_s=$(left $(($2 - 45))) | tail -c 2500 ;;
@@ -35,5 +55,13 @@ eval)
   cp $W/train_report.json $OUT/
   split -b 15000000 -d $W/ship/dspine/model.safetensors $OUT/dspine.part
   cp $W/ship/dspine/config.json $OUT/dspine_config.json ;;
+back)
+  rm -rf $W/pack
+  for f in data data_t1; do
+    python -c "from dspine.train.data import pack_dataset as p; p('$W/$f', '$W/pack/$f')"
+  done
+  tar c -C $W/pack data data_t1 | split -b 15000000 -d - $OUT/data.tar.
+  split -b 15000000 -d $W/ship/dflash/model.safetensors $OUT/dflash.part
+  cp $W/ship/dflash/config.json $OUT/dflash_config.json ;;
 esac
 ls -la $OUT

@@ -48,6 +48,30 @@ def test_regen_matches_engine_greedy(regen_dir, smollm2):
     assert res.token_ids == row["response_ids"][: len(res.token_ids)]
 
 
+def test_packed_data_trains_and_resumes_like_the_original(regen_dir, tmp_path, smollm2):
+    """The compact copy a GPU run carries home: same samples in the same order, every prompt counted as
+    answered, parts within the size asked, refusing to pack over other files."""
+    import pyarrow.parquet as pq
+
+    from dspine.train.data import existing_ids, pack_dataset
+
+    whole = pack_dataset(regen_dir, tmp_path / "one")[0].stat().st_size  # one part at the default limit
+    files = pack_dataset(regen_dir, tmp_path / "p", max_bytes=whole - 1)
+    parts = sorted((tmp_path / "p").glob("part-*.parquet"))
+    assert len(parts) > 1 and all(p.stat().st_size < whole for p in parts)
+    assert {f.name for f in files} >= {"manifest.json", "errors.jsonl"}
+    assert load_samples(tmp_path / "p") == load_samples(regen_dir)
+    assert existing_ids(tmp_path / "p") == existing_ids(regen_dir)
+    assert str(pq.read_schema(parts[0]).field("response_ids").type) == "list<element: uint16>"
+    items = [(i, "unused") for i in sorted(existing_ids(regen_dir))]
+    rep = regenerate_dataset(smollm2, items, tmp_path / "p", max_new_tokens=12, progress=False)
+    assert (rep.ok, rep.skipped) == (0, len(items))
+    with pytest.raises(RegenError, match="not empty"):
+        pack_dataset(regen_dir, tmp_path / "p")
+    with pytest.raises(RegenError, match="no regenerated data"):
+        pack_dataset(tmp_path / "nothing", tmp_path / "q")
+
+
 def test_regen_errors(tmp_path, smollm2):
     ro = tmp_path / "ro"
     ro.mkdir()

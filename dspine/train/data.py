@@ -207,6 +207,57 @@ def workload_items(
     return [(f"{workload}/{i}{suffix}", p) for i, p in enumerate(prompts)]
 
 
+def pack_dataset(src: str | Path, dest: str | Path, max_bytes: int = 15_000_000) -> list[Path]:
+    """A regen folder's compact copy, to carry between machines: the same rows in the same order (so training
+    draws the same held-out split), token ids as uint16 when the vocabulary fits, the text columns emptied,
+    zstd parts of at most `max_bytes`. The copy is a regen folder itself: training reads it, regen skips its
+    prompts. Returns the files written (parts, manifest, errors)."""
+    import io
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    src, dest = Path(src), Path(dest)
+    parts = sorted(src.glob("part-*.parquet"))
+    if not parts:
+        raise RegenError(f"{src}: no regenerated data (part-*.parquet) to pack")
+    if dest.exists() and any(dest.iterdir()):
+        raise RegenError(f"{dest}: not empty; pack into a new folder")
+    table = pa.concat_tables([pq.read_table(p) for p in parts])
+    top = max(pc.max(pc.list_flatten(table[c])).as_py() or 0 for c in ("prompt_ids", "response_ids"))
+    ids_type = pa.list_(pa.uint16() if top < 2**16 else pa.int32())
+    for c in ("prompt", "response_text"):
+        table = table.set_column(table.schema.get_field_index(c), c, pa.array([""] * len(table), pa.string()))
+    for c in ("prompt_ids", "response_ids"):
+        table = table.set_column(table.schema.get_field_index(c), c, table[c].cast(ids_type))
+
+    def encoded(t) -> bytes:
+        buf = io.BytesIO()
+        pq.write_table(t, buf, compression="zstd", compression_level=19)
+        return buf.getvalue()
+
+    pieces = 1
+    while True:  # fewest equal row slices whose files all fit
+        step = -(-len(table) // pieces)
+        blobs = [encoded(table.slice(i, step)) for i in range(0, len(table), step)]
+        if max(map(len, blobs)) <= max_bytes:
+            break
+        if step == 1:
+            raise RegenError(f"{src}: a single row packs to more than {max_bytes} bytes")
+        pieces = max(pieces + 1, int(pieces * max(map(len, blobs)) / max_bytes) + 1)
+    dest.mkdir(parents=True, exist_ok=True)
+    out = [
+        atomic_write(dest / f"part-{k:05d}.parquet", lambda p, b=b: Path(p).write_bytes(b)) for k, b in enumerate(blobs)
+    ]
+    manifest = json.loads((src / "manifest.json").read_text()) if (src / "manifest.json").is_file() else {}
+    out.append(atomic_write_text(dest / "manifest.json", json.dumps({**manifest, "packed": True}, indent=1) + "\n"))
+    if (src / "errors.jsonl").is_file():
+        out.append(atomic_write(dest / "errors.jsonl", lambda p: shutil.copyfile(src / "errors.jsonl", p)))
+    return out
+
+
 def load_samples(path: str | Path, min_response: int = 1) -> list[tuple[list[int], int]]:
     """A regen folder -> [(prompt + response ids, index of the first response token)]."""
     import pyarrow.parquet as pq
