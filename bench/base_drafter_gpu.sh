@@ -17,17 +17,22 @@
 #                                                  the DSpine drafter in the shipped format in 15 MB pieces
 #   bash bench/base_drafter_gpu.sh back            the DFlash twin (shipped format) and the packed data in 15 MB
 #                                                  pieces, for the next run's `stage` (the lockstep continues)
+# A continued run (gpu3's lockstep pair and data, kept in .carry/base1 and .carry/base2 of the development checkout):
+#   1 carry .carry/m1 (as above); 2 carry .carry/base1: `stage .carry/base1`; 3 carry .carry/base2: `stage
+#   .carry/base2`; then start (no regeneration left), more, eval, back as above.
 # Everything lives in /tmp/base on the machine (kept while it stays warm); what comes back is in $OUT.
 set -euo pipefail
 t0=$(date +%s)
-[ -f /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || bash .carry/m2/join
+[ "$1" = stage ] || [ -f /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || bash .carry/m2/join
 export PYTHONPATH=/tmp/site:$PWD
 W=/tmp/base
 mkdir -p $W
 left() { echo $(( $1 - ($(date +%s) - t0) )); }
 warm() { [ -f $W/warm/dspine/model.safetensors ] && [ -f $W/warm/dflash/model.safetensors ] && echo warm_from=$W/warm || true; }
+# what `start` settles (budget, batch size, a warm start's peak LR) is kept in $W so that `more` resumes alike
 ovr() { echo target=/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf regen_dtype=bfloat16 \
-  train.time_budget_s=$(cat $W/budget_s 2>/dev/null || echo 1000) train.batch_size=$(cat $W/batch_size 2>/dev/null || echo 16); }
+  train.time_budget_s=$(cat $W/budget_s 2>/dev/null || echo 1000) train.batch_size=$(cat $W/batch_size 2>/dev/null || echo 16) \
+  $([ -f $W/lr ] && echo train.lr=$(cat $W/lr) || true); }
 common() { echo --base --work $W --no-progress $(ovr); }
 case "$1" in
 stage)
@@ -40,8 +45,12 @@ stage)
   find $W -maxdepth 3 -type f | sort ;;
 start)
   timeout "$(left "$2")" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
-  (python bench/train_step.py --work $W --pick --out $OUT/train_step.json $(ovr) || echo 16) | tail -n 1 > $W/batch_size
-  echo "batch size: $(cat $W/batch_size) ($(warm))"
+  # written beside, then renamed: ovr() reads batch_size, which a redirection would empty before python starts
+  (python bench/train_step.py --work $W --pick --profile --out $OUT/train_step.json $(ovr) || echo 16) | tail -n 1 > $W/bs.new
+  mv $W/bs.new $W/batch_size
+  # a warm start (weights only, a new cosine) peaks at LR (default 5e-4, half a fresh run's: it continues)
+  if [ -n "$(warm)" ]; then echo ${LR:-5e-4} > $W/lr; fi
+  echo "batch size: $(cat $W/batch_size); $(warm) $(ovr | grep -o 'train.lr=[^ ]*' || true)"
   s=$(left $(($2 - 45)))  # the target's load and the checkpoint writes
   echo $(( (s > 60 ? s : 0) + ${3:-450} )) > $W/budget_s
   echo "training budget: $(cat $W/budget_s) s"

@@ -58,6 +58,37 @@ def time_batch(target, samples, cfg: RecipeConfig, batch_size: int, steps: int, 
     }
 
 
+def profile(target, samples, cfg: RecipeConfig, batch_size: int, steps: int = 3) -> str:
+    """torch.profiler over `steps` steps after warm-up -> the ops by total device time, and the wall time
+    beside the device's busy time (a step whose device time is far below its wall time waits on the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tc = replace(cfg.train, batch_size=batch_size)
+    variants = cfg.variants()
+    drafters = build_drafters(target, variants, cfg.layers, cfg.block_size, tc.seed, target.dtype, str(target.device))
+    trainer = Trainer(drafters, target, samples, tc, None, None, None, {n: s.loss for n, s in variants.items()})
+    cuda = target.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for i in range(2):
+        batch = trainer.next_batch()
+        trainer.step(i, batch, trainer.src(batch.ids), trainer.clock(i, 0.0))
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            batch = trainer.next_batch()
+            trainer.step(i, batch, trainer.src(batch.ids), trainer.clock(i, 0.0))
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ev = prof.key_averages()
+    busy = sum(getattr(e, key) for e in ev) / steps / 1e3
+    head = f"batch {batch_size}: {wall:.1f} ms wall per step (profiled), device busy {busy:.1f} ms per step\n"
+    return head + ev.table(sort_by=key, row_limit=25)
+
+
 def pick(rows: list[dict], gain: float) -> int:
     """The largest batch size reached by steps that each raise sequences/s by at least `gain`×."""
     best = rows[0]
@@ -77,6 +108,7 @@ def main() -> int:
     ap.add_argument("--gain", type=float, default=1.25, help="--pick: least sequences/s gain per larger batch")
     ap.add_argument("--pick", action="store_true", help="print only the chosen batch size (stdout's last line)")
     ap.add_argument("--out", help="JSON of the rows")
+    ap.add_argument("--profile", action="store_true", help="also profile the first batch size (stderr)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     cfg = from_dict(RecipeConfig, apply_overrides(asdict(RecipeConfig.base_drafter()), a.overrides), "recipe")
@@ -100,6 +132,8 @@ def main() -> int:
         for r in rows
     ]  # fmt: skip
     print(md_table(["batch", "s/step", "sequences/s", "vs first", "peak GiB"], table), file=sys.stderr)
+    if a.profile:
+        print(profile(target, samples, cfg, batches[0]), file=sys.stderr)
     chosen = pick(rows, a.gain)
     if a.out:
         doc = {"rows": rows, "picked": chosen, "gain": a.gain, "drafters": list(cfg.variants()), **provenance()}

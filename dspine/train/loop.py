@@ -21,7 +21,15 @@ import torch
 
 from dspine.config import ConfigError
 from dspine.drafter import DSpineDraftModel
-from dspine.train.losses import Batch, FeatureSource, drafter_losses, evaluate_tau_sims, loss_kw, make_batch
+from dspine.train.losses import (
+    Batch,
+    FeatureSource,
+    drafter_losses,
+    evaluate_tau_sims,
+    loss_kw,
+    make_batch,
+    read_stats,
+)
 
 
 @dataclass
@@ -292,8 +300,12 @@ class Trainer:
 
                 for p in d.state_dict().values():
                     dist.broadcast(p, 0)
-            self.opts[n] = torch.optim.AdamW(
-                self.params[n], lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+            self.opts[n] = torch.optim.AdamW(  # fused on CUDA: one launch per step, not one per tensor group
+                self.params[n],
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                betas=(0.9, 0.95),
+                fused=target.device.type == "cuda",
             )
         self.src = FeatureSource(target, list(drafters.values()))
         self.history: dict[str, list[dict]] = {n: [] for n in self.names}
@@ -353,33 +365,38 @@ class Trainer:
         return Clock(elapsed, progress, out_of_time, pause)
 
     def step(self, step: int, batch: Batch, feats: torch.Tensor, clock: Clock, log=None) -> None:
-        """One optimizer step of every drafter on the same batch and target features (N, S, m*d)."""
+        """One optimizer step of every drafter on the same batch and target features (N, S, m*d). The step's
+        numbers are read from the device once, after every drafter's work is queued."""
+        lr = lr_at(step, self.cfg, clock.progress)
+        stats = {}
         for n, d in self.drafters.items():
             with torch.autocast(**self.amp):
-                res = drafter_losses(d, self.src.select(feats, d), batch, **self.kws[n])
+                res = drafter_losses(d, self.src.select(feats, d), batch, **self.kws[n], host=False)
             opt = self.opts[n]
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, self.cfg, clock.progress)
+                g["lr"] = lr
             opt.zero_grad(set_to_none=True)
             res["loss"].backward()
             if self.world > 1:
                 _average_grads(self.params[n], self.world)
             gnorm = torch.nn.utils.clip_grad_norm_(self.params[n], self.cfg.grad_clip)
             opt.step()
+            stats[n] = {**res["stats"], "loss": res["loss"].detach(), "grad_norm": gnorm}
+        for n, st in read_stats(stats).items():
             row = {
                 "step": step + 1,
-                "loss": res["loss"].item(),
-                "ce": res["ce"].item(),
-                "tau_sim": res["tau_sim"],
-                "grad_norm": float(gnorm),
-                "lr": opt.param_groups[0]["lr"],
+                "loss": st["loss"],
+                "ce": st["ce"],
+                "tau_sim": st["tau_sim"],
+                "grad_norm": st["grad_norm"],
+                "lr": lr,
                 "elapsed_s": round(clock.elapsed, 3),
             }
             for k in ("cos", "redo"):
-                if k in res:
-                    row[k] = res[k].item()
-            if "tau_sim_full_vocab" in res:  # the walk restricted to top-K vs an unrestricted pick: the gap
-                row["tau_sim_full_vocab"] = res["tau_sim_full_vocab"]
+                if k in st:
+                    row[k] = st[k]
+            if "tau_sim_full_vocab" in st:  # the walk restricted to top-K vs an unrestricted pick: the gap
+                row["tau_sim_full_vocab"] = st["tau_sim_full_vocab"]
             self.history[n].append(row)
             if log is not None:
                 log({"drafter": n, **row} if len(self.names) > 1 else row)

@@ -76,8 +76,12 @@ def drafter_losses(
     gamma: float = 7.0,
     cos_weight: float = 0.5,
     redo_weight: float = 1.0,
+    host: bool = True,
 ) -> dict:
-    """feats (Bs, S, m*d) target features of batch.ids -> {"loss", "ce", "cos", "redo", "tau_sim", ...}."""
+    """feats (Bs, S, m*d) target features of batch.ids -> {"loss", "ce", "cos", "redo", "tau_sim", ...}.
+
+    `host=False`: {"loss", "stats"} with the statistics left on the device (`read_stats` reads them, several
+    drafters' at once: one device-to-host copy per training step instead of one per number)."""
     cfg = drafter.config
     B = cfg.block_size
     ids, anchors = batch.ids, batch.anchors
@@ -98,7 +102,7 @@ def drafter_losses(
     logits = drafter.logits(out.hidden[:, :, 1:])  # (Bs, nb, B-1, V)
     ce = (F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(w) * w).sum() / wsum
     total = ce
-    res = {"ce": ce.detach()}
+    stats = {"ce": ce.detach()}
     pred = logits.argmax(-1)
 
     if cfg.uses_injection:
@@ -109,7 +113,7 @@ def drafter_losses(
             for f in out.feats.values()
         ]
         cos = torch.stack(cos_terms).mean()
-        res["cos"] = cos.detach()
+        stats["cos"] = cos.detach()
         if cos_weight:
             total = total + cos_weight * cos
         if B > 2:  # redone last write with the true predecessor's code, slots 2..B-1
@@ -122,29 +126,48 @@ def drafter_losses(
             redo = (
                 F.cross_entropy(redo_logits.flatten(0, 2), y[:, :, 1:].flatten(), reduction="none").view_as(wr) * wr
             ).sum() / wr.sum().clamp_min(1e-6)
-            res["redo"] = redo.detach()
+            stats["redo"] = redo.detach()
             if redo_weight:
                 total = total + redo_weight * redo
             # what the walk picks: the best redone score among the slot's top-K unconditioned candidates C_t
             # (a full-vocabulary argmax would credit tokens the walk can never reach)
             cand = logits[:, :, 1:].topk(min(cfg.top_k, logits.shape[-1]), dim=-1).indices  # (Bs, nb, B-2, K)
             walk = cand.gather(-1, redo_logits.gather(-1, cand).argmax(-1, keepdim=True))[..., 0]
-            res["tau_sim_full_vocab"] = _tau_sim(torch.cat([pred[:, :, :1], redo_logits.argmax(-1)], 2), y, valid)[0]
-            res["tau_sim_unconditioned"] = _tau_sim(pred, y, valid)[0]  # each slot's own argmax, no walk
+            stats["slot_acc_full_vocab"] = _slot_acc(torch.cat([pred[:, :, :1], redo_logits.argmax(-1)], 2), y, valid)
+            stats["slot_acc_unconditioned"] = _slot_acc(pred, y, valid)  # each slot's own argmax, no walk
             pred = torch.cat([pred[:, :, :1], walk], dim=2)
-    tau, acc = _tau_sim(pred, y, valid)
-    res.update(loss=total, tau_sim=tau, slot_acc=acc)
-    return res
+    stats["slot_acc"] = _slot_acc(pred, y, valid)
+    return {"loss": total, **read_stats(stats)} if host else {"loss": total, "stats": stats}
 
 
-def _tau_sim(pred: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> tuple[float, list[float]]:
-    """Simulated τ: conditional per-slot accuracy along the label chain (SpecForge's Σ_k Π_{i<=k} acc_i).
-    pred, y, valid (Bs, nb, B-1)."""
+def _slot_acc(pred: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Conditional per-slot accuracy along the label chain, (B-1,) on the device. pred, y, valid (Bs, nb, B-1)."""
     chain = ((pred == y) & valid).long().cumprod(-1).bool()
     reach = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=-1) & valid
-    # one device-to-host read for all slots (this runs every training step, twice for transition-cache drafters)
-    acc = (chain.flatten(0, -2).sum(0) / reach.flatten(0, -2).sum(0).clamp_min(1)).tolist()
-    return simulated_tau(acc), acc
+    return chain.flatten(0, -2).sum(0) / reach.flatten(0, -2).sum(0).clamp_min(1)
+
+
+def read_stats(stats: dict) -> dict:
+    """Device statistics of `drafter_losses(host=False)` -> numbers, in one device-to-host copy: ce / cos / redo
+    as floats, slot_acc as a list, and the simulated τ of each slot_acc* (SpecForge's 1 + Σ_k Π_{i<=k} acc_i:
+    tau_sim, tau_sim_full_vocab, tau_sim_unconditioned). A dict of such dicts (one per drafter) is read whole."""
+    nested = all(isinstance(v, dict) for v in stats.values())
+    flat = {(n, k): v for n, st in stats.items() for k, v in st.items()} if nested else stats
+    values = torch.cat([v.detach().float().reshape(-1) for v in flat.values()]).tolist()
+    out, i = {}, 0
+    for key, v in flat.items():
+        n = v.numel()
+        out[key] = values[i] if v.dim() == 0 else values[i : i + n]
+        i += n
+    if nested:
+        return {n: _with_taus({k: out[n, k] for k in st}) for n, st in stats.items()}
+    return _with_taus(out)
+
+
+def _with_taus(st: dict) -> dict:
+    for k in [k for k in st if k.startswith("slot_acc")]:
+        st[k.replace("slot_acc", "tau_sim")] = simulated_tau(st[k])
+    return st
 
 
 class FeatureSource:
