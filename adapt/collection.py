@@ -85,14 +85,16 @@ def harness(name: str):
 
 
 def plan(cfg: CollectConfig) -> list[dict]:
+    """Every episode, in rounds: episode i of each workload × level cell before episode i + 1 of any, so a
+    collection stopped early (or still running) holds every cell in equal measure."""
+    tasks = {w: harness(w).tasks() for w in cfg.workloads}
+    for w, ts in tasks.items():
+        random.Random(f"{cfg.seed}/{w}").shuffle(ts)
     out = []
-    for w in cfg.workloads:
-        tasks = harness(w).tasks()
-        random.Random(f"{cfg.seed}/{w}").shuffle(tasks)
-        for level in cfg.levels:
-            for i in range(cfg.episodes):
-                t = tasks[i % len(tasks)]
-                rep = i // len(tasks)
+    for i in range(cfg.episodes):
+        for w in cfg.workloads:
+            t, rep = tasks[w][i % len(tasks[w])], i // len(tasks[w])
+            for level in cfg.levels:
                 out.append({"episode_id": episode_id(w, t.id, level, rep), "workload": w, "task_id": t.id,
                             "level": level, "rep": rep})  # fmt: skip
     return out

@@ -156,3 +156,19 @@ def test_bad_input_is_refused_before_any_work(endpoint, tmp_path, change, needle
     r = direct([x for kv in args.items() for x in kv])
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.json"))
+
+
+def test_plan_runs_in_rounds_over_cells():
+    """Episode i of every workload × level cell comes before episode i + 1 of any (a collection stopped early
+    holds every cell alike); tasks repeat only past a workload's task count, as the next repetition."""
+    from dspine.adapt.collection import CollectConfig, harness, plan
+
+    cfg = CollectConfig(endpoint="unused", out="unused", levels=["low", "high"], episodes=30)
+    p = plan(cfg)
+    cells = [(s["workload"], s["level"]) for s in p]
+    assert len(p) == 30 * 6 and len(set(s["episode_id"] for s in p)) == len(p)
+    for r in range(30):
+        assert Counter(cells[r * 6 : (r + 1) * 6]) == Counter({c: 1 for c in set(cells)})
+    swe = [s for s in p if s["workload"] == "swe" and s["level"] == "low"]
+    n = len(harness("swe").tasks())
+    assert len({s["task_id"] for s in swe[:n]}) == n and swe[n]["task_id"] == swe[0]["task_id"] and swe[n]["rep"] == 1

@@ -188,8 +188,9 @@ def _load_state(ckpt: Path, drafter, opt, rng: random.Random):
         g.update(meta["param_groups"][gi])
         for pi, p in enumerate(g["params"]):
             st = {k.split(".", 3)[3]: v for k, v in tensors.items() if k.startswith(f"opt.{gi}.{pi}.")}
-            if st:
-                opt.state[p] = {k: (v.to(dev) if v.dim() else v) for k, v in st.items()}
+            if st:  # a fused optimizer keeps its step counts on the device too
+                here = g.get("fused") or g.get("capturable")
+                opt.state[p] = {k: (v.to(dev) if v.dim() or here else v) for k, v in st.items()}
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
