@@ -7,6 +7,7 @@ Runs the swe, tool and office agents against an OpenAI-compatible endpoint (`dsp
 `dspine proxy` in front of either) and writes their traces (see dspine.agents.traces for the layout). Re-running
 the same command skips what is done; `--dry-run` lists what would run. Works the same on a local head and on a
 cluster: give an endpoint every node reaches and an --out on shared storage or an object-store URI (s3://...).
+Without Ray (a machine where it is not installed): `--executor local` runs the episodes in worker processes here.
 A one-machine head that should stay on 127.0.0.1 is started with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (Ray otherwise
 replaces 127.0.0.1 by the machine's interface address).
 """
@@ -39,13 +40,20 @@ def parse(argv=None) -> tuple:
     p.add_argument("--wall-s", type=float, default=600.0, help="wall-clock limit per episode")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--tool-wall-s", type=float, default=30.0, help="wall-clock limit per tool call")
+    p.add_argument(
+        "--executor",
+        choices=("ray", "local"),
+        default="ray",
+        help="ray: episodes as Ray tasks (default); local: worker processes here, without Ray",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the episodes that would run, then exit")
     a = p.parse_args(argv)
     cfg = CollectConfig(endpoint=a.endpoint, out=a.out, workloads=[w for w in a.workloads.split(",") if w],
                         levels=[x for x in a.levels.split(",") if x], episodes=a.episodes, model=a.model,
                         api_key=a.api_key, concurrency=a.concurrency, retries=a.retries, seed=a.seed,
                         max_turns=a.max_turns, max_tokens=a.max_tokens, max_episode_tokens=a.max_episode_tokens,
-                        wall_s=a.wall_s, temperature=a.temperature, tool_wall_s=a.tool_wall_s)  # fmt: skip
+                        wall_s=a.wall_s, temperature=a.temperature, tool_wall_s=a.tool_wall_s,
+                        executor=a.executor)  # fmt: skip
     return cfg, a.dry_run
 
 

@@ -57,6 +57,9 @@ class CollectConfig:
     temperature: float = 0.0
     tool_wall_s: float = 30.0
     scratch: str = ""  # where episode directories live on each worker (default: the system temp dir)
+    # "ray": episodes as Ray tasks (a local head, or the cluster of RAY_ADDRESS); "local": worker processes of
+    # this machine without Ray (each episode tried 1 + retries times), where Ray is not installed
+    executor: str = "ray"
 
     def identity(self) -> dict:
         return {k: getattr(self, k) for k in IDENTITY}
@@ -105,6 +108,8 @@ def check(cfg: CollectConfig) -> dict:
     bad = [w for w in cfg.workloads if w not in WORKLOADS]
     if bad or not cfg.workloads:
         raise CollectError(f"unknown workload(s) {bad or '(none given)'}; choose from {', '.join(WORKLOADS)}")
+    if cfg.executor not in ("ray", "local"):
+        raise CollectError(f"executor {cfg.executor!r}: ray or local")
     bad = [x for x in cfg.levels if x not in LEVELS]
     if bad or not cfg.levels:
         raise CollectError(f"unknown thinking level(s) {bad or '(none given)'}; choose from {', '.join(LEVELS)}")
@@ -169,18 +174,37 @@ def collect(cfg: CollectConfig, dry_run: bool = False, progress: bool = True) ->
         return {"requested": len(todo), "to_run": pending, "already_done": len(todo) - len(pending)}
     shown = {**asdict(cfg), "api_key": "***" if cfg.api_key not in ("", "none") else cfg.api_key}  # never on disk
     st.write_json({"identity": cfg.identity(), "config": shown, "endpoint_info": info}, "config.json")
-    import ray
     from tqdm import tqdm
 
     litellm_quiet()
+    t0 = time.time()
+    bar = tqdm(total=len(pending), desc="episodes", disable=not progress)
+    failures = (_run_local if cfg.executor == "local" else _run_ray)(pending, cfg, info, bar.update)
+    for s in pending:
+        if s["episode_id"] in failures:
+            st.write_json({**s, "reason": failures[s["episode_id"]]}, "failures", f"{s['episode_id']}.json")
+    bar.close()
+    acc = accounts(st, todo, skipped=len(todo) - len(pending), failed=failures, seconds=time.time() - t0)
+    st.write_json(acc, "accounts.json")
+    st.clean_tmp()  # what killed workers left half-written
+    return acc
+
+
+def _failure(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[-2000:]}"
+
+
+def _run_ray(pending: list[dict], cfg: CollectConfig, info: dict, tick) -> dict[str, str]:
+    """Episodes as Ray tasks, at most `concurrency` in flight -> {episode id: reason} of those out of retries."""
+    import ray
+
     if not ray.is_initialized():
         ray.init(address="auto" if _cluster() else None, log_to_driver=False)
     task = ray.remote(num_cpus=0, max_retries=cfg.retries, retry_exceptions=True)(run_episode)
-    cfg_dict, t0 = asdict(cfg), time.time()
+    cfg_dict = asdict(cfg)
     failures: dict[str, str] = {}
     inflight: dict = {}
     queue = list(pending)
-    bar = tqdm(total=len(pending), desc="episodes", disable=not progress)
     while queue or inflight:
         while queue and len(inflight) < cfg.concurrency:
             s = queue.pop(0)
@@ -191,14 +215,37 @@ def collect(cfg: CollectConfig, dry_run: bool = False, progress: bool = True) ->
             try:
                 ray.get(ref)
             except Exception as e:  # out of retries
-                failures[s["episode_id"]] = f"{type(e).__name__}: {str(e)[-2000:]}"
-                st.write_json({**s, "reason": failures[s["episode_id"]]}, "failures", f"{s['episode_id']}.json")
-            bar.update(1)
-    bar.close()
-    acc = accounts(st, todo, skipped=len(todo) - len(pending), failed=failures, seconds=time.time() - t0)
-    st.write_json(acc, "accounts.json")
-    st.clean_tmp()  # what killed workers left half-written
-    return acc
+                failures[s["episode_id"]] = _failure(e)
+            tick(1)
+    return failures
+
+
+def _attempts(spec: dict, cfg_dict: dict, info: dict, retries: int) -> dict:
+    for k in range(retries + 1):
+        try:
+            return run_episode(spec, cfg_dict, info)
+        except Exception:
+            if k == retries:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_local(pending: list[dict], cfg: CollectConfig, info: dict, tick) -> dict[str, str]:
+    """Episodes in `concurrency` worker processes of this machine (spawned: tools run in subprocesses, which a
+    threaded parent should not fork) -> {episode id: reason} of those that failed every attempt."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    cfg_dict, failures = asdict(cfg), {}
+    with ProcessPoolExecutor(cfg.concurrency, mp_context=multiprocessing.get_context("spawn")) as ex:
+        futures = {ex.submit(_attempts, s, cfg_dict, info, cfg.retries): s for s in pending}
+        for f in as_completed(futures):
+            try:
+                f.result()
+            except Exception as e:
+                failures[futures[f]["episode_id"]] = _failure(e)
+            tick(1)
+    return failures
 
 
 def _cluster() -> bool:

@@ -9,6 +9,14 @@
 #   2 (carry .carry/m1)           mkdir -p /tmp/target && cp .carry/m1/* /tmp/target/
 #   3 (carry .carry/m2, .carry/whl, .carry/traces)
 #                                 bash bench/adapt_gpu.sh run S [VARIANT ...]
+# Collecting the traces there instead (the agents against `dspine serve` on the GPU; this 2-core machine manages
+# about one episode a minute): after 1 and 2, a call carrying .carry/agentwhl (the serving and agent packages as
+# py3.12 wheels, 43 MB: fastapi, uvicorn, pydantic, litellm, mini-swe-agent, python-docx, openpyxl and their
+# needs; the machine has no Ray, so episodes run in local worker processes) runs
+#   bash bench/adapt_gpu.sh wheels
+# then one carrying .carry/m2 and .carry/whl:
+#   bash bench/adapt_gpu.sh collect S [EPISODES] [CONCURRENCY]     swe, tool, office × low, high; traces to $OUT
+# and `run` finds them in /tmp/adapt/traces (the .carry/traces step is then skipped).
 # `run` trains the variants one after another, each for TRAIN_S seconds (default 60), evaluates each (held-out
 # rows of every cell, the seven benchmarks at LIMIT items, default 3), and stops starting new ones S seconds after
 # the call began; $OUT gets adapt_<variant>.{json,md} and the fine-tunes' finetune.json. A variant is
@@ -23,6 +31,23 @@ case "$1" in
 drafter)
   mkdir -p /tmp/builtin && cp drafters/smollm2-135m-instruct/dspine/{config.json,model.safetensors} /tmp/builtin/
   sha256sum /tmp/builtin/model.safetensors ;;
+wheels)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/agentwhl/*.whl
+  PYTHONPATH=/tmp/site:$PWD python3 -c "import fastapi, uvicorn, litellm, minisweagent, docx, openpyxl; print('agents stack ok')" ;;
+collect)
+  [ -f /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || bash .carry/m2/join
+  export PYTHONPATH=/tmp/site:$PWD
+  python3 -m dspine.cli serve --target /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --drafter /tmp/builtin \
+    --served-model-name smol --port 8011 --max-prompt-tokens 7000 > $W/server.log 2>&1 &
+  srv=$!
+  for _ in $(seq 90); do curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 2; done
+  timeout "$(left $(($2 - 40)))" python3 adapt/collect.py --endpoint http://127.0.0.1:8011/v1 --model smol \
+    --out $W/traces --workloads swe,tool,office --levels low,high --episodes ${3:-24} --concurrency ${4:-24} \
+    --executor local --max-turns 4 --max-tokens 256 2>&1 | grep -v "Loading weights" | tail -n 30 || true
+  kill $srv || true
+  tail -n 5 $W/server.log
+  ls $W/traces/episodes | sed 's/-[0-9a-f]*-/ /; s/-[0-9]*.json//' | sort | uniq -c
+  tar c -C $W traces | split -b 15000000 -d - $OUT/traces.tar. ;;
 run)
   [ -n "${TARGET:-}" ] || [ -f /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || bash .carry/m2/join
   export PYTHONPATH=/tmp/site:$PWD
@@ -43,4 +68,4 @@ run)
     cp $W/$name/finetune.json $OUT/finetune_$name.json
   done ;;
 esac
-ls -la $OUT 2>/dev/null || true
+[ -z "${OUT:-}" ] || ls -la "$OUT"

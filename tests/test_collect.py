@@ -172,3 +172,20 @@ def test_plan_runs_in_rounds_over_cells():
     swe = [s for s in p if s["workload"] == "swe" and s["level"] == "low"]
     n = len(harness("swe").tasks())
     assert len({s["task_id"] for s in swe[:n]}) == n and swe[n]["task_id"] == swe[0]["task_id"] and swe[n]["rep"] == 1
+
+
+def test_local_executor_collects_without_ray(endpoint, tmp_path):
+    """--executor local: the same accounts and traces from worker processes of this machine, Ray not started."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "local"
+    args = ["--endpoint", endpoint, "--out", str(out), "--workloads", "tool", "--levels", "low,high",
+            "--episodes", "1", "--executor", "local", *SMALL]  # fmt: skip
+    r = direct(args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    acc = json.loads((out / "accounts.json").read_text())
+    assert (acc["requested"], acc["ok"], acc["failed"], acc["skipped"]) == (2, 2, 0, 0), acc
+    rows = [row for f in (out / "traces").rglob("*.parquet") for row in pq.read_table(f).to_pylist()]
+    assert {row["thinking"] for row in rows} == {"low", "high"} and all(row["completion_token_ids"] for row in rows)
+    r = direct(args)  # again: everything done already
+    assert r.returncode == 0 and json.loads((out / "accounts.json").read_text())["skipped"] == 2
