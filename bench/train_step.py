@@ -28,13 +28,16 @@ from dspine.train.recipe import RecipeConfig, _regen_sets
 from dspine.train.run import build_drafters, split_heldout
 
 
-def time_batch(target, samples, cfg: RecipeConfig, batch_size: int, steps: int, warmup: int) -> dict:
+def trainer_for(target, samples, cfg: RecipeConfig, batch_size: int) -> Trainer:
+    """The recipe's lockstep trainer (fresh drafters) at this batch size."""
     tc = replace(cfg.train, batch_size=batch_size)
     variants = cfg.variants()
     drafters = build_drafters(target, variants, cfg.layers, cfg.block_size, tc.seed, target.dtype, str(target.device))
-    for d in drafters.values():
-        d.bind(target)
-    trainer = Trainer(drafters, target, samples, tc, None, None, None, {n: s.loss for n, s in variants.items()})
+    return Trainer(drafters, target, samples, tc, None, None, None, {n: s.loss for n, s in variants.items()})
+
+
+def time_batch(target, samples, cfg: RecipeConfig, batch_size: int, steps: int, warmup: int) -> dict:
+    trainer = trainer_for(target, samples, cfg, batch_size)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     if target.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -48,12 +51,12 @@ def time_batch(target, samples, cfg: RecipeConfig, batch_size: int, steps: int, 
     sync()
     s = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if target.device.type == "cuda" else 0.0
-    del trainer, drafters
+    del trainer
     return {
         "batch_size": batch_size,
         "s_per_step": s,
         "seqs_per_s": batch_size / s,
-        "blocks_per_s": batch_size * tc.anchors_per_seq / s,
+        "blocks_per_s": batch_size * cfg.train.anchors_per_seq / s,
         "peak_gib": peak,
     }
 
@@ -63,10 +66,7 @@ def profile(target, samples, cfg: RecipeConfig, batch_size: int, steps: int = 3)
     beside the device's busy time (a step whose device time is far below its wall time waits on the host)."""
     from torch.profiler import ProfilerActivity, profile
 
-    tc = replace(cfg.train, batch_size=batch_size)
-    variants = cfg.variants()
-    drafters = build_drafters(target, variants, cfg.layers, cfg.block_size, tc.seed, target.dtype, str(target.device))
-    trainer = Trainer(drafters, target, samples, tc, None, None, None, {n: s.loss for n, s in variants.items()})
+    trainer = trainer_for(target, samples, cfg, batch_size)
     cuda = target.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for i in range(2):
