@@ -40,7 +40,8 @@ collect)
   python3 -m dspine.cli serve --target /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --drafter /tmp/builtin \
     --served-model-name smol --port 8011 --max-prompt-tokens 7000 > $W/server.log 2>&1 &
   srv=$!
-  for _ in $(seq 90); do curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 2; done
+  up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/v1/models', timeout=2)" 2> /dev/null; }
+  for _ in $(seq 90); do up && break; sleep 2; done
   timeout "$(left $(($2 - 40)))" python3 adapt/collect.py --endpoint http://127.0.0.1:8011/v1 --model smol \
     --out $W/traces --workloads swe,tool,office --levels low,high --episodes ${3:-24} --concurrency ${4:-24} \
     --executor local --max-turns 4 --max-tokens 256 2>&1 | grep -v "Loading weights" | tail -n 30 || true
