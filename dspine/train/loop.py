@@ -189,8 +189,8 @@ def _load_state(ckpt: Path, drafter, opt, rng: random.Random):
         for pi, p in enumerate(g["params"]):
             st = {k.split(".", 3)[3]: v for k, v in tensors.items() if k.startswith(f"opt.{gi}.{pi}.")}
             if st:  # a fused optimizer keeps its step counts on the device too
-                here = g.get("fused") or g.get("capturable")
-                opt.state[p] = {k: (v.to(dev) if v.dim() or here else v) for k, v in st.items()}
+                steps_on_device = g.get("fused") or g.get("capturable")
+                opt.state[p] = {k: (v.to(dev) if v.dim() or steps_on_device else v) for k, v in st.items()}
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])

@@ -137,7 +137,7 @@ def drafter_losses(
             stats["slot_acc_unconditioned"] = _slot_acc(pred, y, valid)  # each slot's own argmax, no walk
             pred = torch.cat([pred[:, :, :1], walk], dim=2)
     stats["slot_acc"] = _slot_acc(pred, y, valid)
-    return {"loss": total, **read_stats(stats)} if host else {"loss": total, "stats": stats}
+    return {"loss": total, **read_stats({"": stats})[""]} if host else {"loss": total, "stats": stats}
 
 
 def _slot_acc(pred: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -147,27 +147,21 @@ def _slot_acc(pred: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> torch
     return chain.flatten(0, -2).sum(0) / reach.flatten(0, -2).sum(0).clamp_min(1)
 
 
-def read_stats(stats: dict) -> dict:
-    """Device statistics of `drafter_losses(host=False)` -> numbers, in one device-to-host copy: ce / cos / redo
-    as floats, slot_acc as a list, and the simulated τ of each slot_acc* (SpecForge's 1 + Σ_k Π_{i<=k} acc_i:
-    tau_sim, tau_sim_full_vocab, tau_sim_unconditioned). A dict of such dicts (one per drafter) is read whole."""
-    nested = all(isinstance(v, dict) for v in stats.values())
-    flat = {(n, k): v for n, st in stats.items() for k, v in st.items()} if nested else stats
-    values = torch.cat([v.detach().float().reshape(-1) for v in flat.values()]).tolist()
-    out, i = {}, 0
-    for key, v in flat.items():
-        n = v.numel()
-        out[key] = values[i] if v.dim() == 0 else values[i : i + n]
-        i += n
-    if nested:
-        return {n: _with_taus({k: out[n, k] for k in st}) for n, st in stats.items()}
-    return _with_taus(out)
-
-
-def _with_taus(st: dict) -> dict:
-    for k in [k for k in st if k.startswith("slot_acc")]:
-        st[k.replace("slot_acc", "tau_sim")] = simulated_tau(st[k])
-    return st
+def read_stats(stats: dict[str, dict]) -> dict[str, dict]:
+    """{drafter: device statistics of `drafter_losses(host=False)`} -> the same as numbers, all drafters in one
+    device-to-host copy: 0-d tensors as floats, slot_acc* as lists, and the simulated τ of each slot_acc*
+    (SpecForge's 1 + Σ_k Π_{i<=k} acc_i: tau_sim, tau_sim_full_vocab, tau_sim_unconditioned)."""
+    flat = [(n, k, v) for n, st in stats.items() for k, v in st.items()]
+    values = torch.cat([v.detach().float().reshape(-1) for _, _, v in flat]).tolist()
+    out: dict[str, dict] = {n: {} for n in stats}
+    i = 0
+    for n, k, v in flat:
+        out[n][k] = values[i] if v.dim() == 0 else values[i : i + v.numel()]
+        i += v.numel()
+    for st in out.values():
+        for k in [k for k in st if k.startswith("slot_acc")]:
+            st[k.replace("slot_acc", "tau_sim")] = simulated_tau(st[k])
+    return out
 
 
 class FeatureSource:
