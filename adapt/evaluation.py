@@ -33,15 +33,26 @@ class EvalConfig:
     benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS))
     limit: int = 2  # items per benchmark; 0: no general benchmarks
     max_new_tokens: int = 64
-    max_rows: int = 0  # held-out rows replayed per group; 0: all
+    max_rows: int = 0  # held-out rows replayed per group, taken in turn from each of its cells; 0: all
     min_ratio: float = 1.0  # gate: τ(adapted) / τ(base) on each of its cells at least this
     max_general_regression: float = 0.02  # gate: 1 − τ(adapted) / τ(base) on the benchmark mean at most this
-    workers: int = 1
+    batch_size: int = 8  # held-out rows replayed together (one drafter, by prompt length)
     summary: str = ""  # summary.json whose `adaptation` section is rewritten
 
 
 def cell_of(row: dict) -> str:
     return f"{row['workload']}/{row['thinking']}"
+
+
+def _spread(rows: list[dict], n: int) -> list[dict]:
+    """The first n rows taken in turn from each cell (each cell's rows in their order)."""
+    by_cell: dict = {}
+    for r in rows:
+        by_cell.setdefault(cell_of(r), []).append(r)
+    cells, out = list(by_cell.values()), []
+    for k in range(max(map(len, cells), default=0)):
+        out += [c[k] for c in cells if k < len(c)]
+    return out[:n]
 
 
 def gate(doc: dict, min_ratio: float = 1.0, max_general_regression: float = 0.02) -> dict:
@@ -82,10 +93,10 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
         held = set(info["heldout_episodes"])
         grows = [r for r in rows if r["episode_id"] in held and r["has_token_ids"] and r["completion_token_ids"]]
         if cfg.max_rows:
-            grows = grows[: cfg.max_rows]
+            grows = _spread(grows, cfg.max_rows)
         adapted = load_drafter(info["drafter"], target, device=fc["device"])
         jobs = [(n, list(r["prompt_token_ids"]), list(r["completion_token_ids"])) for r in grows for n in ("base", g)]
-        res = replay(target, {"base": base, g: adapted}, jobs, progress=progress)
+        res = replay(target, {"base": base, g: adapted}, jobs, progress=progress, batch_size=cfg.batch_size)
         cells = {}
         for (name, _, _), r, row in zip(jobs, res, [r for r in grows for _ in (0, 1)]):
             st = AcceptanceStats(r["block_size"], r["accept_hist"])

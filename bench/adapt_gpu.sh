@@ -2,24 +2,27 @@
 # The adaptation measured at volume on one H200 (issue: τ(adapted)/τ(base) per workload × thinking level on
 # held-out episodes): the shipped drafter fine-tuned on collected agent traces in several variants side by side
 # (adapt/finetune.py, in-process: the machine has no Ray), each replayed through the engine by adapt/evaluate.py.
-# Before, here: the traces packed into .carry/traces (tar -C runs -cf - NAME | split -b 15000000 -d -
-# .carry/traces/traces.tar.), the target as in bench/base_drafter_gpu.sh (device-carry-target: .carry/m1, m2, whl),
-# and the shipped drafter taken to /tmp in the first call, before it is moved out of the working tree:
+# Before, here: the traces packed into .carry/traces (tar c -C DIR traces | split -b 15000000 -d - .carry/traces/traces.tar.,
+# DIR holding the collection as traces/ — what `collect` brings back), the target as in bench/base_drafter_gpu.sh
+# (device-carry-target: .carry/m1, m2, whl), and the shipped drafter taken to /tmp in the first call, before it is
+# moved out of the working tree (calls of at most 64 MiB each, back to back: the machine goes back 30 s after one):
 #   1 (working tree as is)        bash bench/adapt_gpu.sh drafter
 #   2 (carry .carry/m1)           mkdir -p /tmp/target && cp .carry/m1/* /tmp/target/
-#   3 (carry .carry/m2, .carry/whl, .carry/traces)
-#                                 bash bench/adapt_gpu.sh run S [VARIANT ...]
+#   3 (carry .carry/traces)       bash bench/adapt_gpu.sh traces
+#   4 (carry .carry/m2, .carry/whl)
+#                                 bash bench/adapt_gpu.sh run S [VARIANT ...]      (again for more variants)
 # Collecting the traces there instead (the agents against `dspine serve` on the GPU; this 2-core machine manages
 # about one episode a minute): after 1 and 2, a call carrying .carry/agentwhl (the serving and agent packages as
-# py3.12 wheels, 43 MB: fastapi, uvicorn, pydantic, litellm, mini-swe-agent, python-docx, openpyxl and their
-# needs; the machine has no Ray, so episodes run in local worker processes) runs
+# py3.12 wheels: fastapi, uvicorn, pydantic, litellm, openai + httpx2, mini-swe-agent, python-docx, openpyxl and
+# their needs; the machine has no Ray, so episodes run in local worker processes) runs
 #   bash bench/adapt_gpu.sh wheels
 # then one carrying .carry/m2 and .carry/whl:
 #   bash bench/adapt_gpu.sh collect S [EPISODES] [CONCURRENCY]     swe, tool, office × low, high; traces to $OUT
-# and `run` finds them in /tmp/adapt/traces (the .carry/traces step is then skipped).
+# and `run` finds them in /tmp/adapt/traces (step 3 is then skipped).
 # `run` trains the variants one after another, each for TRAIN_S seconds (default 60), evaluates each (held-out
-# rows of every cell, the seven benchmarks at LIMIT items, default 3), and stops starting new ones S seconds after
-# the call began; $OUT gets adapt_<variant>.{json,md} and the fine-tunes' finetune.json. A variant is
+# rows of every cell replayed EVAL_BATCH at a time, at most MAX_ROWS of them, 0: all; the seven benchmarks at LIMIT
+# items, default 3), starts none with less than TRAIN_S + EVAL_S (240) of its S seconds left, and cuts an evaluation
+# at S + 20; $OUT gets each fine-tune's finetune.json as soon as it ends, then adapt_<variant>.{json,md}. A variant is
 # NAME:OVERRIDE,OVERRIDE,... of FinetuneConfig (adapt/finetuning.py); the default set compares one drafter for all
 # traces vs one per workload × level, full fine-tune vs LoRA, and two learning rates.
 set -euo pipefail
@@ -31,12 +34,15 @@ case "$1" in
 drafter)
   mkdir -p /tmp/builtin && cp drafters/smollm2-135m-instruct/dspine/{config.json,model.safetensors} /tmp/builtin/
   sha256sum /tmp/builtin/model.safetensors ;;
+traces)
+  cat .carry/traces/traces.tar.* | tar x -C $W
+  ls $W/traces/episodes | wc -l ;;
 wheels)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/agentwhl/*.whl
   PYTHONPATH=/tmp/site:$PWD python3 -c "import fastapi, uvicorn, litellm, minisweagent, docx, openpyxl; print('agents stack ok')" ;;
 collect)
   [ -f /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || bash .carry/m2/join
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD LITELLM_LOCAL_MODEL_COST_MAP=True  # no network: litellm's bundled price map
   python3 -m dspine.cli serve --target /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --drafter /tmp/builtin \
     --served-model-name smol --port 8011 --max-prompt-tokens 7000 > $W/server.log 2>&1 &
   srv=$!
@@ -52,21 +58,24 @@ collect)
 run)
   [ -n "${TARGET:-}" ] || [ -f /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || bash .carry/m2/join
   export PYTHONPATH=/tmp/site:$PWD
-  [ -d $W/traces ] || { mkdir -p $W/traces && cat .carry/traces/traces.tar.* | tar x -C $W/traces --strip-components 1; }
+  [ -d $W/traces ] || { echo "no traces in $W: run \`collect\` or \`traces\` first" >&2; exit 2; }
   S=$2; shift 2
   V=("$@")
   [ ${#V[@]} -gt 0 ] || V=("all-full:per=all,mode=full,train.lr=1e-4" "cell-full:per=workload_level,mode=full,train.lr=1e-4"
     "all-lora:per=all,mode=lora,train.lr=1e-3" "all-full-lr3:per=all,mode=full,train.lr=3e-4")
   for v in "${V[@]}"; do
     name=${v%%:*}; ovr=${v#*:}
-    if [ "$(left "$S")" -lt $(( ${TRAIN_S:-60} + 150 )) ]; then echo "$name: not started (time)"; continue; fi
+    if [ "$(left "$S")" -lt $(( ${TRAIN_S:-60} + ${EVAL_S:-240} )) ]; then echo "$name: not started (time)"; continue; fi
     echo "== $name: ${ovr//,/ }"
     python adapt/finetune.py --traces $W/traces --out $W/$name --target ${TARGET:-/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf} --base /tmp/builtin --workers 0 --device ${DEVICE:-cuda} \
       train.time_budget_s=${TRAIN_S:-60} train.steps=100000 train.batch_size=8 train.max_len=2048 \
-      train.anchors_per_seq=64 train.eval_every=50 train.warmup_steps=20 ${ovr//,/ } 2>&1 | grep -v "Loading weights" | tail -n 15
-    python adapt/evaluate.py --finetune $W/$name --out $OUT/adapt_$name.json limit=${LIMIT:-3} workers=8 \
-      2>&1 | grep -v "Loading weights" | tail -n 25 || true
-    cp $W/$name/finetune.json $OUT/finetune_$name.json
+      train.anchors_per_seq=64 train.eval_every=50 train.warmup_steps=20 ${ovr//,/ } > $W/ft_$name.log 2>&1 || true
+    grep -v "Loading weights" $W/ft_$name.log | tail -n 8
+    cp $W/$name/finetune.json $OUT/finetune_$name.json || continue
+    # bounded by the time left: the replay is batched, the rows capped (taken in turn from every cell)
+    timeout "$(left $(( S + 20 )))" python adapt/evaluate.py --finetune $W/$name --out $OUT/adapt_$name.json \
+      limit=${LIMIT:-3} batch_size=${EVAL_BATCH:-32} max_rows=${MAX_ROWS:-0} > $W/ev_$name.log 2>&1 || true
+    cat $OUT/adapt_$name.md 2> /dev/null || tail -c 1500 $W/ev_$name.log
   done ;;
 esac
 [ -z "${OUT:-}" ] || ls -la "$OUT"

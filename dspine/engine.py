@@ -280,12 +280,13 @@ def generate_batch(
     prompts: list,
     params: SamplingParams | list[SamplingParams] | None = None,
     on_tokens: list | None = None,
+    forced: list | None = None,
 ) -> list[GenerationResult]:
     """Decode several requests together (one target forward and one drafter forward per round for all rows)
     -> one GenerationResult per prompt. See BatchDecode."""
     if not prompts:
         return []
-    run = BatchDecode(engine, prompts, params, on_tokens)
+    run = BatchDecode(engine, prompts, params, on_tokens, forced=forced)
     out = dict(run.pop_finished())
     while not run.done:
         run.step()
@@ -318,14 +319,24 @@ class BatchDecode:
     row). Penalties apply to the target's logits at every verify position as AR would have applied them after
     the drafts before it (sampling.penalize), so decoding stays AR's. Logprobs are the target's raw
     distribution (before temperature, top-k/p and penalties). `on_tokens[i]` sees row i's tokens as they are
-    committed (False aborts that row); `tags[i]` names row i in what pop_finished returns (default: i)."""
+    committed (False aborts that row); `tags[i]` names row i in what pop_finished returns (default: i).
+    `forced[i]` (a list of token ids, or None) makes row i a replay of that text, as `Engine.generate(forced=)`
+    does for one request: greedy only, ends where the text ends."""
 
-    _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished")  # per-row Python state
+    _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished", "forced")  # per-row state
 
     @torch.no_grad()
-    def __init__(self, engine: Engine, prompts: list, params=None, on_tokens: list | None = None, tags=None):
+    def __init__(
+        self, engine: Engine, prompts: list, params=None, on_tokens: list | None = None, tags=None, forced=None
+    ):
         per_row = params if isinstance(params, list) else [params] * len(prompts)
         rows = [(p or SamplingParams()).validate() for p in per_row]
+        self.forced = list(forced) if forced is not None else [None] * len(prompts)
+        for i, f in enumerate(self.forced):
+            if f is not None:
+                if not rows[i].greedy or not f:
+                    raise RequestError("a forced continuation needs greedy decoding and at least one token")
+                rows[i] = SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=rows[i].ignore_eos)
         self.params = params = rows[0]
         if any(self._draw(r) != self._draw(params) for r in rows):
             raise ValueError("rows of one batch must share temperature, top_k and top_p")
@@ -351,7 +362,10 @@ class BatchDecode:
         pos = torch.arange(L, device=dev).expand(N, L)
         logits, feats = tgt.forward(inp, self.cache, self.layer_ids, self.valid.long(), pos)
         self.committed = torch.tensor(self.lens, device=dev)  # tokens each row has in its cache = the anchor's position
-        self.anchors = [engine._pick(logits[i, n - 1], params, self.gen) for i, n in enumerate(self.lens)]
+        self.anchors = [
+            engine._pick(logits[i, n - 1], params, self.gen) if f is None else int(f[0])
+            for i, (n, f) in enumerate(zip(self.lens, self.forced))
+        ]
         self.finished = [self._push(i, a, logits[i, n - 1]) for i, (a, n) in enumerate(zip(self.anchors, self.lens))]
         self.ctx = None
         if drafter is not None:
@@ -413,6 +427,8 @@ class BatchDecode:
         else:
             n_acc = torch.zeros(N, dtype=torch.long, device=dev)
             nxt = torch.tensor([engine._pick(chosen[i, -1], params, self.gen) for i in range(N)], device=dev)
+        if any(f is not None for f in self.forced):
+            n_acc, nxt = self._forced_verdicts(n_acc, nxt, prop)
         # keep the anchor + accepted drafts (masked per row); columns no row accepted are cropped away
         m = int(n_acc.max()) + 1
         kept = torch.arange(m, device=dev)[None] <= n_acc[:, None]  # (N, m)
@@ -423,6 +439,20 @@ class BatchDecode:
         self.committed = self.committed + n_acc + 1
         self._commit(n_acc, nxt, prop, logits)
         self.compact()  # rows that accepted less than the round's longest leave masked holes
+
+    def _forced_verdicts(self, n_acc: torch.Tensor, nxt: torch.Tensor, prop):
+        """The forced rows' (accepted, next) replaced by the match of their drafts against their given text."""
+        n_list, nxt_list = n_acc.tolist(), nxt.tolist()
+        for i, f in enumerate(self.forced):
+            if f is None or self.finished[i]:
+                continue
+            ahead = f[len(self.stops[i].tokens) :]  # the text after the anchor
+            if prop is None:
+                n_list[i], nxt_list[i] = 0, ahead[0] if ahead else nxt_list[i]
+            else:
+                n, t = verify_forced(prop.tokens[i : i + 1], ahead)
+                n_list[i], nxt_list[i] = int(n[0]), int(t[0])
+        return n_acc.new_tensor(n_list), nxt.new_tensor(nxt_list)
 
     def _penalized(self, logits: torch.Tensor, prop) -> torch.Tensor:
         """logits (N, W, V) -> a copy penalized for the rows that ask for it (the same tensor when none do)."""

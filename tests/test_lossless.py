@@ -122,9 +122,12 @@ def test_forced_continuation_replays_the_same_rounds(tiny, method):
     output it reproduces the speculative run — the tokens and every round's acceptance but the last, where a
     free run may accept drafts past max_tokens (cut off) and the given text has nothing to match them with —;
     on another text it commits that text, drafts accepted only where they match it."""
+    from dspine.engine import BatchDecode, generate_batch
+
     target, pairs = tiny
     drafter = _trained(target, pairs, method)
     spec, params = Engine(target, drafter), SamplingParams(max_tokens=40, ignore_eos=True)
+    texts = []
     for ids, start in pairs[:3]:
         free = spec.generate(ids[:start], params)
         forced = spec.generate(ids[:start], params, forced=free.token_ids)
@@ -138,8 +141,17 @@ def test_forced_continuation_replays_the_same_rounds(tiny, method):
         # every token of the text committed once: the prefill's, then n drafts + 1 per round (the last round's
         # bonus falls past the end when its drafts reach it)
         assert len(other) <= replayed.stats.accepted + replayed.stats.rounds + 1 <= len(other) + 1
+        texts += [(ids[:start], free.token_ids), (ids[:start], other[: 20 + start % 10])]
+    # replayed together (prompts of different lengths, texts of different lengths): each row as alone
+    batched = generate_batch(spec, [p for p, _ in texts], params, forced=[t for _, t in texts])
+    for row, (prompt, text) in zip(batched, texts):
+        one = spec.generate(prompt, params, forced=text)
+        assert row.token_ids == text == one.token_ids
+        assert (row.stats.rounds, row.stats.accept_hist) == (one.stats.rounds, one.stats.accept_hist)
     with pytest.raises(Exception, match="forced continuation needs greedy"):
         spec.generate(pairs[0][0][:4], SamplingParams(temperature=1.0), forced=[1, 2])
+    with pytest.raises(Exception, match="forced continuation needs greedy"):
+        BatchDecode(spec, [pairs[0][0][:4]], SamplingParams(temperature=1.0), forced=[[1, 2]])
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspine"])

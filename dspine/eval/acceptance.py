@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dspine.checkpoint import config_to_json, load_models
-from dspine.engine import Engine
+from dspine.engine import Engine, generate_batch
 from dspine.io import atomic_write_text, json_text, md_table, provenance
 from dspine.plots import line_panels
 from dspine.sampling import SamplingParams
@@ -158,18 +158,32 @@ def replay(
     workers: int = 1,
     target_spec: tuple | None = None,
     drafter_paths: dict | None = None,
+    batch_size: int = 1,
 ) -> list[dict]:
     """jobs: (drafter name, prompt ids, a greedy continuation from elsewhere, e.g. SGLang's) -> per job the
     drafter's acceptance on exactly that text (`Engine.generate(forced=...)`): {"tau", "rounds", "accepted"}.
     Trajectories no longer diverge, so τ differences are the drafters' own (kernels, numerics). Workers as
-    in `evaluate`."""
+    in `evaluate`; `batch_size` > 1 (one process) replays that many jobs of one drafter together, by prompt
+    length (`BatchDecode` with forced rows), the way a GPU is kept busy."""
     import concurrent.futures as cf
 
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(jobs), desc="replay", disable=not progress)
     out: list = [None] * len(jobs)
-    if workers <= 1:
+    if workers <= 1 and batch_size > 1:
+        engines = {n: Engine(target, d) for n, d in drafters.items()}
+        for name, eng in engines.items():
+            idx = sorted((i for i, j in enumerate(jobs) if j[0] == name), key=lambda i: -len(jobs[i][1]))
+            for k in range(0, len(idx), batch_size):
+                chunk = idx[k : k + batch_size]
+                res = generate_batch(
+                    eng, [jobs[i][1] for i in chunk], SamplingParams(temperature=0.0), forced=[jobs[i][2] for i in chunk]
+                )
+                for i, r in zip(chunk, res):
+                    out[i] = _stats_of(r.stats)
+                bar.update(len(chunk))
+    elif workers <= 1:
         engines = {n: Engine(target, d) for n, d in drafters.items()}
         for i, job in enumerate(jobs):
             out[i] = _replay_one(engines, *job)
@@ -185,7 +199,10 @@ def replay(
 
 
 def _replay_one(engines: dict, name: str, prompt_ids: list[int], forced: list[int]) -> dict:
-    st = engines[name].generate(prompt_ids, SamplingParams(temperature=0.0), forced=forced).stats
+    return _stats_of(engines[name].generate(prompt_ids, SamplingParams(temperature=0.0), forced=forced).stats)
+
+
+def _stats_of(st) -> dict:
     return {"tau": st.tau, "rounds": st.rounds, "accepted": st.accepted, "accept_hist": st.accept_hist,
             "block_size": st.block_size}  # fmt: skip
 
