@@ -6,8 +6,10 @@ Design choices:
 - **Exact token prefixes**: every held-out trace row (one model call) is decoded again from its recorded
   prompt ids with its recorded completion forced (`Engine.generate(forced=...)`), so base and adapted face the
   very same text and their acceptance differs only by the drafter; τ pools the rounds of a cell
-  (AcceptanceStats.merge), the per-slot acceptance beside it. Held-out means the episodes finetune.json names
-  (split by episode, never by turn).
+  (AcceptanceStats.merge), the per-slot acceptance beside it; held-out rows are replayed `batch_size` at a time
+  (BatchDecode with forced rows: the same rounds as one at a time). Held-out means the episodes finetune.json
+  names (split by episode, never by turn; or by task); how many held-out tasks the fine-tune also saw (the same
+  task at another level or in another episode) is reported beside the table.
 - **General skills**: `eval.acceptance.evaluate` on the seven benchmarks at T = 0 for base and every adapted
   drafter; regression = 1 − τ(adapted) / τ(base) on the benchmark mean.
 - **The gate** refuses an adapted drafter whose τ on any of its cells is below the base's (`min_ratio`,
@@ -76,6 +78,7 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
     gate -> the document (written to cfg.out, with a Markdown table beside it)."""
     import torch
 
+    from dspine.adapt.finetuning import group_of
     from dspine.agents.traces import load_traces
     from dspine.checkpoint import load_drafter, resolve_drafter
     from dspine.eval.acceptance import benchmark_means, evaluate, replay
@@ -116,7 +119,12 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
                 "per_slot": {"base": b.per_slot, "adapted": a.per_slot},
                 "drafter": g,
             }
-        drafters[g] = {"path": info["drafter"], "cells": sorted(cells), "adapted": adapted}
+        mine = [r for r in rows if group_of(r, fc.get("per", "all")) == g]
+        tasks = {(r["workload"], r["task_id"]) for r in mine if r["episode_id"] in held}
+        trained = {(r["workload"], r["task_id"]) for r in mine if r["episode_id"] not in held}
+        drafters[g] = {"path": info["drafter"], "cells": sorted(cells), "adapted": adapted,
+                       "split": fc.get("split", "episode"), "heldout_tasks": len(tasks),
+                       "heldout_tasks_seen": len(tasks & trained)}  # fmt: skip
     general = None
     if cfg.limit:
         models = {"base": base, **{g: d["adapted"] for g, d in drafters.items()}}
@@ -166,6 +174,9 @@ def markdown(doc: dict) -> str:
             f"{n} {t:.3f}" for n, t in g["tau_mean"].items()
         )
         text += "; regression " + ", ".join(f"{n} {r:+.1%}" for n, r in g["regression"].items())
+    seen = [f"{g} {d['heldout_tasks_seen']}/{d['heldout_tasks']} (split by {d['split']})"
+            for g, d in doc["drafters"].items() if "heldout_tasks" in d]  # fmt: skip
+    text += "\n\nHeld-out tasks also in training: " + ", ".join(seen)
     text += "\n\nGate: " + "; ".join(
         f"{g}: {'accept' if d['accept'] else 'refuse — ' + ', '.join(d['reasons'])}" for g, d in doc["gate"].items()
     )

@@ -60,6 +60,7 @@ class FinetuneConfig:
     workloads: list[str] = field(default_factory=list)  # empty: every workload in the traces
     levels: list[str] = field(default_factory=list)
     heldout_fraction: float = 0.2
+    split: str = "episode"  # the held-out unit: episode (per cell), or task (a workload's task whole, every level)
     mix: str = ""  # a regenerated-data folder (dspine regen) mixed in
     mix_fraction: float = 0.0  # share of the training samples drawn from `mix`
     workers: int = 1  # Ray Train workers; 0: in this process, without Ray
@@ -71,6 +72,8 @@ class FinetuneConfig:
     def validate(self) -> None:  # traces and out may come later (the loop fills them per iteration)
         if self.mode not in ("full", "lora"):
             raise ConfigError(f"mode {self.mode!r}: full or lora")
+        if self.split not in ("episode", "task"):
+            raise ConfigError(f"split {self.split!r}: episode or task")
         if self.per not in ("all", "workload", "workload_level"):
             raise ConfigError(f"per {self.per!r}: all, workload or workload_level")
         if not 0 <= self.heldout_fraction < 1 or not 0 <= self.mix_fraction < 1:
@@ -106,19 +109,23 @@ def group_of(row: dict, per: str) -> str:
     return {"all": "all", "workload": row["workload"], "workload_level": f"{row['workload']}-{row['thinking']}"}[per]
 
 
-def split_episodes(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows): in each workload × thinking-level cell, a seeded share of its episodes (at
-    least one when the cell has two or more) goes to the held-out side whole, so every cell is measured."""
+def split_episodes(rows: list[dict], fraction: float, seed: int, by: str = "episode") -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows). by="episode": in each workload × thinking-level cell, a seeded share of its
+    episodes (at least one when the cell has two or more) goes to the held-out side whole, so every cell is
+    measured. by="task": in each workload, a seeded share of its tasks goes whole — every episode of the task at
+    every thinking level — so no held-out prompt is a task the drafter trained on."""
+    unit = (lambda r: r["episode_id"]) if by == "episode" else (lambda r: f"{r['workload']}:{r['task_id']}")
+    scope = (lambda r: f"{r['workload']}/{r['thinking']}") if by == "episode" else (lambda r: r["workload"])
     held: set[str] = set()
-    by_cell: dict[str, set[str]] = {}
+    by_scope: dict[str, set[str]] = {}
     for r in rows:
-        by_cell.setdefault(f"{r['workload']}/{r['thinking']}", set()).add(r["episode_id"])
-    for cell, ids in sorted(by_cell.items()):
-        eps = sorted(ids)
-        random.Random(f"{seed}:{cell}").shuffle(eps)
-        n = min(len(eps) - 1, max(1, round(fraction * len(eps)))) if fraction > 0 and len(eps) > 1 else 0
-        held.update(eps[:n])
-    return [r for r in rows if r["episode_id"] not in held], [r for r in rows if r["episode_id"] in held]
+        by_scope.setdefault(scope(r), set()).add(unit(r))
+    for key, ids in sorted(by_scope.items()):
+        units = sorted(ids)
+        random.Random(f"{seed}:{key}").shuffle(units)
+        n = min(len(units) - 1, max(1, round(fraction * len(units)))) if fraction > 0 and len(units) > 1 else 0
+        held.update(units[:n])
+    return [r for r in rows if unit(r) not in held], [r for r in rows if unit(r) in held]
 
 
 def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
@@ -138,7 +145,7 @@ def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
         groups.setdefault(group_of(r, cfg.per), []).append(r)
     out = {}
     for g, grows in sorted(groups.items()):
-        train, held = split_episodes(grows, cfg.heldout_fraction, cfg.seed)
+        train, held = split_episodes(grows, cfg.heldout_fraction, cfg.seed, cfg.split)
         out[g] = {
             "train": [row_sample(r, cfg.train.max_len) for r in train],
             "heldout": [row_sample(r, cfg.train.max_len) for r in held],

@@ -24,7 +24,7 @@
 # items, default 3), starts none with less than TRAIN_S + EVAL_S (240) of its S seconds left, and cuts an evaluation
 # at S + 20; $OUT gets each fine-tune's finetune.json as soon as it ends, then adapt_<variant>.{json,md}. A variant is
 # NAME:OVERRIDE,OVERRIDE,... of FinetuneConfig (adapt/finetuning.py); the default set compares one drafter for all
-# traces vs one per workload × level, full fine-tune vs LoRA, and two learning rates.
+# traces held out by episode vs by task (no held-out task trained on), one per workload × level, and LoRA.
 set -euo pipefail
 t0=$(date +%s)
 left() { echo $(( $1 - ($(date +%s) - t0) )); }
@@ -61,8 +61,8 @@ run)
   [ -d $W/traces ] || { echo "no traces in $W: run \`collect\` or \`traces\` first" >&2; exit 2; }
   S=$2; shift 2
   V=("$@")
-  [ ${#V[@]} -gt 0 ] || V=("all-full:per=all,mode=full,train.lr=1e-4" "cell-full:per=workload_level,mode=full,train.lr=1e-4"
-    "all-lora:per=all,mode=lora,train.lr=1e-3" "all-full-lr3:per=all,mode=full,train.lr=3e-4")
+  [ ${#V[@]} -gt 0 ] || V=("all-full:per=all,mode=full,train.lr=1e-4" "all-task:per=all,mode=full,train.lr=1e-4,split=task"
+    "cell-full:per=workload_level,mode=full,train.lr=1e-4" "all-lora:per=all,mode=lora,train.lr=1e-3")
   for v in "${V[@]}"; do
     name=${v%%:*}; ovr=${v#*:}
     if [ "$(left "$S")" -lt $(( ${TRAIN_S:-60} + ${EVAL_S:-240} )) ]; then echo "$name: not started (time)"; continue; fi

@@ -82,6 +82,15 @@ def test_samples_mask_exactly_the_generated_tokens_and_episodes_split_whole():
     assert len({r["episode_id"] for r in held}) == 2 and len(train) + len(held) == 30
     assert not {r["episode_id"] for r in held} & {r["episode_id"] for r in train}
     assert split_episodes(rows, 0.2, seed=0) == (train, held)  # seeded
+    # by task: a task goes whole, at every level — 5 tasks × 2 levels × 2 episodes
+    rows = [{**dataclasses.asdict(_row(f"ep{t}{lv}{k}", 0, rng, level=lv)), "task_id": f"t{t}"}
+            for t in range(5) for lv in ("low", "high") for k in range(2)]  # fmt: skip
+    train, held = split_episodes(rows, 0.2, seed=0, by="task")
+    assert {r["task_id"] for r in held} == {held[0]["task_id"]} and len(held) == 4
+    assert {r["thinking"] for r in held} == {"low", "high"}
+    assert not {r["task_id"] for r in held} & {r["task_id"] for r in train}
+    train, held = split_episodes(rows, 0.2, seed=0)
+    assert {r["task_id"] for r in held} & {r["task_id"] for r in train}  # by episode, a task falls on both sides
 
 
 def test_lora_trains_the_heads_only_when_asked_and_merges_exactly(setup):
@@ -172,6 +181,8 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
     merged = direct[0].merge(direct[1])
     assert cell["adapted"] == pytest.approx(merged.tau) and cell["rounds"]["adapted"] == merged.rounds
     assert (tmp_path / "adapt.md").read_text().count("tool/low") == 1
+    info = doc["drafters"]["all"]  # every row has task "t": the held-out task was trained on
+    assert (info["split"], info["heldout_tasks"], info["heldout_tasks_seen"]) == ("episode", 1, 1)
     # swapped: the random drafter as the candidate is refused, with its figure
     swapped = json.loads((tmp_path / "ft" / "finetune.json").read_text())
     swapped["config"]["base"], swapped["groups"]["all"]["drafter"] = (

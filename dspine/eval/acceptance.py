@@ -177,9 +177,8 @@ def replay(
             idx = sorted((i for i, j in enumerate(jobs) if j[0] == name), key=lambda i: -len(jobs[i][1]))
             for k in range(0, len(idx), batch_size):
                 chunk = idx[k : k + batch_size]
-                res = generate_batch(
-                    eng, [jobs[i][1] for i in chunk], SamplingParams(temperature=0.0), forced=[jobs[i][2] for i in chunk]
-                )
+                prompts, texts = [jobs[i][1] for i in chunk], [jobs[i][2] for i in chunk]
+                res = generate_batch(eng, prompts, SamplingParams(temperature=0.0), forced=texts)
                 for i, r in zip(chunk, res):
                     out[i] = _stats_of(r.stats)
                 bar.update(len(chunk))
