@@ -9,6 +9,15 @@ default deploys.jsonl beside the evaluation). A group adapted to one workload ("
 thinking level) is deployed to that workload's route only (the server keeps its default drafter for the rest);
 the group "all" replaces the default; `route=default` or `route=WORKLOAD[/LEVEL]` says otherwise. Settings:
 DeployConfig (adapt/deployment.py) as dotted overrides, e.g. `live_requests=6 live_tolerance=0.9`.
+
+SGLang (its draft model is fixed at launch) is deployed to by restarting it with the adapted drafter, exported:
+
+    python adapt/deploy.py --evaluation adapt.json --endpoint http://127.0.0.1:30000 export=sglang \
+        restart="python -m sglang.launch_server --model-path T --speculative-algorithm DFLASH \
+                 --speculative-draft-model-path {drafter} --host 127.0.0.1 --port {port} ..."
+
+deploy stops the server it started last (state=, default backend.json beside the history), starts this one,
+checks live τ from SGLang's own counts, and on a failed start or a τ that falls short starts the previous again.
 """
 
 import argparse

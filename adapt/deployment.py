@@ -14,6 +14,12 @@ Design choices:
 - **Routes**: a drafter adapted to one workload (group "tool", or "tool-high" per thinking level) is swapped in
   for that workload's requests only (the server's route "tool" / "tool/high"; the proxy passes the workload on),
   and its live check sends requests of that workload; the group "all" replaces the default drafter.
+- **Restart** (`restart`, a backend whose draft model is fixed at launch — SGLang): the command that starts it,
+  with {drafter} (the adapted checkpoint, or its `export=sglang` conversion) and {port}; deploy stops the
+  backend it started last (`state`: pid and command), starts the new one detached, waits for /v1/models, checks
+  live τ (SGLang's /generate counts, or the dspine server's records), and when the start fails or τ falls
+  short, stops it and starts the previous command again. The whole server takes the group's drafter: one
+  server per workload behind the proxy's --route. Requests reaching it during the restart get the proxy's 503.
 - **History**: one JSON line per decision (refused, deployed, rolled back) with its figures, in a file
   rewritten atomically, which the dashboard can show.
 """
@@ -21,8 +27,13 @@ Design choices:
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
+import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +59,20 @@ class DeployConfig:
     live_tolerance: float = 0.8  # roll back below this share of the gated τ
     route: str = "auto"  # the server route: "auto" (from the group: all -> default, tool -> tool, tool-high ->
     # tool/high), "default", or a route (WORKLOAD or WORKLOAD/LEVEL)
+    restart: str = ""  # the backend's start command, with {drafter} and {port}: deploy by restarting it
+    export: str = ""  # "sglang": {drafter} is the adapted checkpoint exported for SGLang (`dspine export`)
+    state: str = ""  # the restarted backend's pid and command (default: backend.json beside the history)
+    ready_timeout_s: float = 900.0
+
+    def validate(self) -> None:
+        from dspine.config import ConfigError
+
+        if self.export not in ("", "sglang"):
+            raise ConfigError(f"export {self.export!r}: empty or sglang")
+        if self.export and not self.restart:
+            raise ConfigError("export is for a restarted backend: give restart (its start command) too")
+        if self.restart and "{drafter}" not in self.restart:
+            raise ConfigError("restart must name the drafter it starts with: {drafter}")
 
 
 def route_of(group: str, route: str = "auto") -> str | None:
@@ -83,8 +108,13 @@ def call_json(url: str, body: dict | None = None, key: str | None = None, timeou
 
 def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) -> dict:
     """Greedy chat requests through the server (as `route`'s workload and level), their acceptance from its
-    records -> pooled τ, requests, the drafters that decoded them."""
+    records -> pooled τ, requests, the drafters that decoded them. A server without dspine's records (SGLang):
+    greedy /generate requests, τ from the counts each reply carries."""
     base = cfg.endpoint.rstrip("/")
+    try:
+        call_json(base + "/v1/dspine/drafter", timeout=30)
+    except DeployError:
+        return _live_tau_sglang(cfg, prompts)
     model = call_json(base + "/v1/models")["data"][0]["id"]
     pooled, drafters = None, set()
     for p in prompts[: cfg.live_requests]:
@@ -104,6 +134,111 @@ def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) ->
             pooled = st if pooled is None else pooled.merge(st)
     return {"tau": pooled.tau if pooled else 1.0, "rounds": pooled.rounds if pooled else 0,
             "requests": min(len(prompts), cfg.live_requests), "drafters": sorted(map(str, drafters))}  # fmt: skip
+
+
+def _live_tau_sglang(cfg: DeployConfig, prompts: list[str]) -> dict:
+    from dspine.stats import tau_of
+
+    accepted = rounds = 0
+    for p in prompts[: cfg.live_requests]:
+        body = {"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": cfg.max_tokens}}
+        meta = call_json(cfg.endpoint.rstrip("/") + "/generate", body)["meta_info"]
+        accepted += meta.get("spec_num_correct_drafts", 0)
+        rounds += meta.get("spec_verify_ct", 0)
+    return {"tau": tau_of(accepted, rounds) if rounds else 1.0, "rounds": rounds,
+            "requests": min(len(prompts), cfg.live_requests), "drafters": ["server"]}  # fmt: skip
+
+
+# --- restarting a backend -------------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def stop_backend(state: dict, timeout: float = 60) -> None:
+    """Stop a backend deploy started (its whole process group: SGLang's scheduler and detokenizer too)."""
+    pid = state["pid"]
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(pid, sig)
+        except OSError:
+            return
+        t0 = time.time()
+        while time.time() - t0 < wait:
+            try:  # reap it when it is our child (a deploy that started it in this process)
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return
+            except ChildProcessError:
+                pass
+            if not _alive(pid):
+                return
+            time.sleep(0.2)
+
+
+def start_backend(cfg: DeployConfig, command: str, state_path: Path, drafter: str) -> dict:
+    """Start `command` detached (its own session, log beside the state), record it, wait until /v1/models
+    answers -> the state; a process that exits or stays silent past ready_timeout_s is stopped (DeployError)."""
+    from dspine.io import atomic_write_text
+
+    log = state_path.with_name(state_path.stem + ".log")
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(shlex.split(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    state = {"pid": proc.pid, "command": command, "drafter": drafter, "started": time.time(), "log": str(log)}
+    atomic_write_text(state_path, json.dumps(state))
+    t0 = time.time()
+    while time.time() - t0 < cfg.ready_timeout_s:
+        if proc.poll() is not None:
+            raise DeployError(f"the backend exited ({proc.returncode}) before answering; see {log}")
+        try:
+            call_json(cfg.endpoint.rstrip("/") + "/v1/models", timeout=5)
+            return state
+        except DeployError:
+            time.sleep(1)
+    stop_backend(state)
+    raise DeployError(f"the backend did not answer within {cfg.ready_timeout_s:.0f} s; see {log}")
+
+
+def _restart(cfg: DeployConfig, doc: dict, group: str, entry: dict, gated: float, history: Path) -> dict:
+    """Deploy by restart: stop what runs, start the adapted drafter, live check; on failure the previous again."""
+    state_path = Path(cfg.state) if cfg.state else history.with_name("backend.json")
+    prev = json.loads(state_path.read_text()) if state_path.is_file() else None
+    drafter = doc["drafters"][group]["path"]
+    if cfg.export == "sglang":
+        from dspine.sglang.export import export_sglang
+
+        out = Path(drafter).with_name(Path(drafter).name + "-sglang")
+        export_sglang(drafter, out)
+        drafter = str(out)
+    port = urllib.parse.urlsplit(cfg.endpoint).port or 80
+    command = cfg.restart.format(drafter=drafter, port=port)
+    if prev is not None:
+        stop_backend(prev)
+    entry.update(previous=prev and {k: prev[k] for k in ("command", "drafter")}, command=command)
+    try:
+        new = start_backend(cfg, command, state_path, drafter)
+        live = live_tau(cfg, cfg.prompts or _default_prompts(doc))
+    except DeployError as e:
+        new, live, reason = None, None, f"restart failed: {e}"
+    else:
+        reason = None if live["tau"] >= cfg.live_tolerance * gated else (
+            f"live τ {live['tau']:.3f} < {cfg.live_tolerance} × {gated:.3f}")  # fmt: skip
+    entry.update(live=live, threshold=cfg.live_tolerance * gated)
+    if reason is None:
+        entry["action"] = "deployed"
+        return entry
+    if new is not None:
+        stop_backend(new)
+    if prev is not None:
+        start_backend(cfg, prev["command"], state_path, prev["drafter"])
+    elif state_path.is_file():
+        state_path.unlink()
+    entry.update(action="rolled_back", reasons=[reason])
+    return entry
 
 
 def _default_prompts(doc: dict) -> list[str]:
@@ -138,6 +273,11 @@ def deploy(cfg: DeployConfig) -> dict:
              "gated_tau": gated}  # fmt: skip
     if not decision["accept"]:
         entry.update(action="refused", reasons=decision["reasons"])
+        _append(history, entry)
+        return entry
+    if cfg.restart:
+        entry["route"] = None  # the restarted server serves this drafter for all its traffic
+        entry = _restart(cfg, doc, group, entry, gated, history)
         _append(history, entry)
         return entry
     url = cfg.endpoint.rstrip("/") + "/v1/dspine/drafter"

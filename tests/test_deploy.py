@@ -267,3 +267,57 @@ def test_one_loop_iteration_from_store_to_deployed_drafter(server, tmp_path):
     log = json.loads((tmp_path / "loop" / "loop.json").read_text())
     assert [x["action"] for x in log] == ["adapted", "skipped"]
     assert (tmp_path / "loop" / "iter-000" / "adapt.md").is_file()
+
+
+def test_restart_deploy_starts_the_adapted_backend_and_falls_back(server, tmp_path):
+    """A backend whose drafter is fixed at launch (SGLang's way) deployed to by restart — here the real dspine
+    server started from the `restart` command: the adapted drafter comes up and is checked live; a drafter
+    that cannot start, or whose live τ falls short, is stopped and the previous command started again."""
+    import socket
+    import sys
+
+    from dspine.adapt.deployment import stop_backend
+    from dspine.config import ConfigError
+
+    _, root = server
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    command = f"{sys.executable} -m dspine.cli serve --drafter {{drafter}} --served-model-name smol --port {{port}}"
+    ev = tmp_path / "adapt.json"
+
+    def run(drafter, tolerance=0.5):
+        ev.write_text(json.dumps({
+            "gate": {"all": {"accept": True, "reasons": []}}, "general": None,
+            "drafters": {"all": {"path": str(drafter), "cells": ["tool/low"]}},
+            "per_cell": {"tool/low": {"base": 1.2, "adapted": 1.5, "ratio": 1.25}},
+        }))  # fmt: skip
+        return deploy(DeployConfig(evaluation=str(ev), endpoint=endpoint, prompts=CHAT_PROMPTS[:2], live_requests=2,
+                                   max_tokens=24, live_tolerance=tolerance, restart=command))  # fmt: skip
+
+    def serving():
+        state = json.loads((tmp_path / "backend.json").read_text())
+        return call(endpoint, "/v1/dspine/drafter")[1]["path"], state
+
+    try:
+        first = run(root / "a" / "dspine")
+        assert first["action"] == "deployed" and first["previous"] is None and first["live"]["tau"] >= 1.0
+        path, state = serving()
+        assert path == str(root / "a" / "dspine") and str(port) in state["command"]
+        broken = run(root / "broken")  # exits at start: the previous command comes back
+        assert broken["action"] == "rolled_back" and "restart failed" in broken["reasons"][0]
+        path, again = serving()
+        assert path == str(root / "a" / "dspine") and again["pid"] != state["pid"]
+        short = run(root / "b" / "dflash", tolerance=100.0)  # up, but its live τ falls short
+        assert short["action"] == "rolled_back" and "live τ" in short["reasons"][0] and short["live"]["rounds"] > 0
+        assert serving()[0] == str(root / "a" / "dspine")
+        hist = [json.loads(x)["action"] for x in (tmp_path / "deploys.jsonl").read_text().splitlines()]
+        assert hist == ["deployed", "rolled_back", "rolled_back"]
+    finally:
+        if (tmp_path / "backend.json").is_file():
+            stop_backend(json.loads((tmp_path / "backend.json").read_text()))
+    for bad, msg in ((dict(export="sglang"), "give restart"), (dict(restart="serve --port {port}"), "{drafter}"),
+                     (dict(restart=command, export="vllm"), "export")):  # fmt: skip
+        with pytest.raises(ConfigError, match=msg):
+            DeployConfig(**bad).validate()
