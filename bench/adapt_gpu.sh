@@ -8,7 +8,10 @@
 # moved out of the working tree (calls of at most 64 MiB each, back to back: the machine goes back 30 s after one):
 #   1 (working tree as is)        bash bench/adapt_gpu.sh drafter
 #   2 (carry .carry/m1)           mkdir -p /tmp/target && cp .carry/m1/* /tmp/target/
-#   3 (carry .carry/traces)       bash bench/adapt_gpu.sh traces
+#   3 (carry .carry/traces, .carry/mix)
+#                                 bash bench/adapt_gpu.sh traces     (.carry/mix: regenerated general data, packed
+#                                 as bench/base_drafter_gpu.sh brings it back — data.tar.*, mixed in by the variants
+#                                 that name $mix, to hold the general benchmarks)
 #   4 (carry .carry/m2, .carry/whl)
 #                                 bash bench/adapt_gpu.sh run S [VARIANT ...]      (again for more variants)
 # Collecting the traces there instead (the agents against `dspine serve` on the GPU; this 2-core machine manages
@@ -24,7 +27,8 @@
 # items, default 3), starts none with less than TRAIN_S + EVAL_S (240) of its S seconds left, and cuts an evaluation
 # at S + 20; $OUT gets each fine-tune's finetune.json as soon as it ends, then adapt_<variant>.{json,md}. A variant is
 # NAME:OVERRIDE,OVERRIDE,... of FinetuneConfig (adapt/finetuning.py); the default set compares one drafter for all
-# traces held out by episode vs by task (no held-out task trained on), one per workload × level, and LoRA.
+# traces without and with general data mixed in, held out by episode vs by task (no held-out task trained on),
+# one per workload × level, and LoRA.
 set -euo pipefail
 t0=$(date +%s)
 left() { echo $(( $1 - ($(date +%s) - t0) )); }
@@ -36,7 +40,8 @@ drafter)
   sha256sum /tmp/builtin/model.safetensors ;;
 traces)
   cat .carry/traces/traces.tar.* | tar x -C $W
-  ls $W/traces/episodes | wc -l ;;
+  ls $W/traces/episodes | wc -l
+  if [ -d .carry/mix ]; then mkdir -p $W/mix && cat .carry/mix/data.tar.* | tar x -C $W/mix && ls $W/mix; fi ;;
 wheels)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/agentwhl/*.whl
   PYTHONPATH=/tmp/site:$PWD python3 -c "import fastapi, uvicorn, litellm, minisweagent, docx, openpyxl; print('agents stack ok')" ;;
@@ -61,8 +66,10 @@ run)
   [ -d $W/traces ] || { echo "no traces in $W: run \`collect\` or \`traces\` first" >&2; exit 2; }
   S=$2; shift 2
   V=("$@")
-  [ ${#V[@]} -gt 0 ] || V=("all-full:per=all,mode=full,train.lr=1e-4" "all-task:per=all,mode=full,train.lr=1e-4,split=task"
-    "cell-full:per=workload_level,mode=full,train.lr=1e-4" "all-lora:per=all,mode=lora,train.lr=1e-3")
+  mix=mix=$W/mix/data,mix_fraction=0.3
+  [ ${#V[@]} -gt 0 ] || V=("all-full:per=all,mode=full,train.lr=1e-4" "all-mix:per=all,mode=full,train.lr=1e-4,$mix"
+    "all-task:per=all,mode=full,train.lr=1e-4,split=task,$mix" "cell-mix:per=workload_level,mode=full,train.lr=1e-4,$mix"
+    "all-lora:per=all,mode=lora,train.lr=1e-3,$mix")
   for v in "${V[@]}"; do
     name=${v%%:*}; ovr=${v#*:}
     if [ "$(left "$S")" -lt $(( ${TRAIN_S:-60} + ${EVAL_S:-240} )) ]; then echo "$name: not started (time)"; continue; fi
