@@ -184,23 +184,19 @@ def start_backend(cfg: DeployConfig, command: str, state_path: Path, drafter: st
     """Start `command` detached (its own session, log beside the state), record it, wait until /v1/models
     answers -> the state; a process that exits or stays silent past ready_timeout_s is stopped (DeployError)."""
     from dspine.io import atomic_write_text
+    from dspine.process import wait_http
 
     log = state_path.with_name(state_path.stem + ".log")
     with open(log, "ab") as out:
         proc = subprocess.Popen(shlex.split(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     state = {"pid": proc.pid, "command": command, "drafter": drafter, "started": time.time(), "log": str(log)}
     atomic_write_text(state_path, json.dumps(state))
-    t0 = time.time()
-    while time.time() - t0 < cfg.ready_timeout_s:
-        if proc.poll() is not None:
-            raise DeployError(f"the backend exited ({proc.returncode}) before answering; see {log}")
-        try:
-            call_json(cfg.endpoint.rstrip("/") + "/v1/models", timeout=5)
-            return state
-        except DeployError:
-            time.sleep(1)
-    stop_backend(state)
-    raise DeployError(f"the backend did not answer within {cfg.ready_timeout_s:.0f} s; see {log}")
+    try:
+        wait_http(cfg.endpoint.rstrip("/") + "/v1/models", proc, cfg.ready_timeout_s)
+    except RuntimeError as e:
+        stop_backend(state)  # its whole group: wait_http stops only the leader
+        raise DeployError(f"the backend did not come up ({e}); see {log}") from None
+    return state
 
 
 def _restart(cfg: DeployConfig, doc: dict, group: str, entry: dict, gated: float, history: Path) -> dict:

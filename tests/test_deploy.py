@@ -273,16 +273,14 @@ def test_restart_deploy_starts_the_adapted_backend_and_falls_back(server, tmp_pa
     """A backend whose drafter is fixed at launch (SGLang's way) deployed to by restart — here the real dspine
     server started from the `restart` command: the adapted drafter comes up and is checked live; a drafter
     that cannot start, or whose live τ falls short, is stopped and the previous command started again."""
-    import socket
     import sys
 
     from dspine.adapt.deployment import stop_backend
     from dspine.config import ConfigError
+    from dspine.process import free_port
 
     _, root = server
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     command = f"{sys.executable} -m dspine.cli serve --drafter {{drafter}} --served-model-name smol --port {{port}}"
     ev = tmp_path / "adapt.json"

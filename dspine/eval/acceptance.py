@@ -171,8 +171,8 @@ def replay(
 
     bar = tqdm(total=len(jobs), desc="replay", disable=not progress)
     out: list = [None] * len(jobs)
+    engines = {n: Engine(target, d) for n, d in drafters.items()} if workers <= 1 else {}
     if workers <= 1 and batch_size > 1:
-        engines = {n: Engine(target, d) for n, d in drafters.items()}
         for name, eng in engines.items():
             idx = sorted((i for i, j in enumerate(jobs) if j[0] == name), key=lambda i: -len(jobs[i][1]))
             for k in range(0, len(idx), batch_size):
@@ -183,7 +183,6 @@ def replay(
                     out[i] = _stats_of(r.stats)
                 bar.update(len(chunk))
     elif workers <= 1:
-        engines = {n: Engine(target, d) for n, d in drafters.items()}
         for i, job in enumerate(jobs):
             out[i] = _replay_one(engines, *job)
             bar.update(1)
