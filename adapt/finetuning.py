@@ -13,6 +13,8 @@ Design choices:
   injections) in full — left frozen, the drafter silently stops learning. The result is merged into a plain
   checkpoint (LoRA folded into the weights) that serves and exports like any other.
 - **Optionally mixed** with general regenerated data (`mix`, `mix_fraction`) to hold the base's skills.
+- **Optionally blended** with the base in weight space (`blend` < 1: base + blend · (adapted − base), as in
+  WiSE-FT): the served drafter keeps more of the base's general acceptance for part of the adapted gain.
 - **Ray Train**: `TorchTrainer` with `workers` processes (gloo on CPU, NCCL on GPU; Ray builds the process
   group); each runs dspine's lockstep trainer on its share of every global batch with averaged gradients, so N
   workers end where one process ends. Every `report_every_s` the trainer pauses and rank 0 reports its state
@@ -63,6 +65,7 @@ class FinetuneConfig:
     split: str = "episode"  # the held-out unit: episode (per cell), or task (a workload's task whole, every level)
     mix: str = ""  # a regenerated-data folder (dspine regen) mixed in
     mix_fraction: float = 0.0  # share of the training samples drawn from `mix`
+    blend: float = 1.0  # the saved drafter: base + blend * (adapted - base); 1: the adapted weights as trained
     workers: int = 1  # Ray Train workers; 0: in this process, without Ray
     report_every_s: float = 0.0  # > 0: a Ray checkpoint every so many seconds of training
     max_failures: int = 1  # Ray Train restarts of the worker group, each from the last reported checkpoint
@@ -78,6 +81,8 @@ class FinetuneConfig:
             raise ConfigError(f"per {self.per!r}: all, workload or workload_level")
         if not 0 <= self.heldout_fraction < 1 or not 0 <= self.mix_fraction < 1:
             raise ConfigError("heldout_fraction and mix_fraction must be in [0, 1)")
+        if not 0 < self.blend <= 1:
+            raise ConfigError(f"blend {self.blend}: in (0, 1] (1 keeps the adapted weights)")
         if self.mix_fraction and not self.mix:
             raise ConfigError("mix_fraction > 0 needs mix (a regenerated-data folder)")
         if self.workers < 0 or self.lora_rank < 1 or self.train.max_len < 8:
@@ -211,6 +216,17 @@ def merge_lora(drafter):
     return drafter
 
 
+def blend_weights(drafter, base_state: dict, alpha: float):
+    """In place: every parameter p <- base + alpha * (p - base) (weight-space interpolation) -> the drafter."""
+    import torch
+
+    with torch.no_grad():
+        for n, p in drafter.named_parameters():
+            b = base_state[n].to(p)
+            p.copy_(b + alpha * (p - b))
+    return drafter
+
+
 # --- training --------------------------------------------------------------------------------------------
 
 
@@ -236,7 +252,7 @@ def train_group(
     drafter = prepare_drafter(cfg, target)
     train = mix_in(data["train"], cfg)
     tcfg = dataclasses.replace(cfg.train, seed=cfg.seed, stop_after_s=cfg.report_every_s)
-    extra = {"adapted_from": cfg.base, "group": group, "mode": cfg.mode, "traces": cfg.traces}
+    extra = {"adapted_from": cfg.base, "group": group, "mode": cfg.mode, "traces": cfg.traces, "blend": cfg.blend}
     if resume_from is not None and resume_from != workdir:
         shutil.copytree(resume_from, workdir, dirs_exist_ok=True)
     tr = Trainer({group: drafter}, target, train, tcfg, data["heldout"] or None, {group: workdir}, extra)
@@ -258,6 +274,8 @@ def train_group(
 
             drafter.load_state_dict(load_file(str(best)))
         plain = merge_lora(drafter) if cfg.mode == "lora" else drafter
+        if cfg.blend < 1:
+            blend_weights(plain, prepare_drafter(dataclasses.replace(cfg, mode="full"), target).state_dict(), cfg.blend)
         last = {**hist[-1], "processes": tr.world}
         save_drafter(plain, workdir / "final", extra={**extra, "history": last}, derived=False)
     return hist

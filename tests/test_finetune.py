@@ -106,6 +106,14 @@ def test_lora_trains_the_heads_only_when_asked_and_merges_exactly(setup):
         changed = [h for h in heads if not torch.equal(got[h], base[h])]
         assert changed == ([] if save == [] else list(heads)), (name, changed)
         assert res["groups"]["all"]["train_samples"] == 8
+    # blend: the same run saved at base + 0.4 · (adapted − base), weight by weight
+    finetune(_cfg(setup, name="lora_blend", mode="lora", workers=0, lora_rank=4, blend=0.4), progress=False)
+    blended = load_file(str(setup / "lora_blend" / "all" / "model.safetensors"))
+    assert set(blended) == set(got)
+    for k in got:
+        assert torch.allclose(blended[k], base[k] + 0.4 * (got[k] - base[k]), atol=1e-12), k
+    with pytest.raises(ValueError, match="blend"):
+        _cfg(setup, name="x", blend=0.0).validate()
     # merge: a LoRA layer's output equals its merged plain layer's
     d = load_drafter(setup / "base")
     d = add_lora(d, _cfg(setup, name="x", mode="lora", lora_rank=4))
