@@ -27,8 +27,8 @@
 # items, default 3), starts none with less than TRAIN_S + EVAL_S (240) of its S seconds left, and cuts an evaluation
 # at S + 20; $OUT gets each fine-tune's finetune.json as soon as it ends, then adapt_<variant>.{json,md}. A variant is
 # NAME:OVERRIDE,OVERRIDE,... of FinetuneConfig (adapt/finetuning.py); the default set compares one drafter for all
-# traces without and with general data mixed in, held out by episode vs by task (no held-out task trained on),
-# one per workload × level, and LoRA.
+# traces without and with general data mixed in, then blended with the base in weight space (blend=0.7), held
+# out by episode vs by task (no held-out task trained on), one per workload × level, and LoRA.
 set -euo pipefail
 t0=$(date +%s)
 left() { echo $(( $1 - ($(date +%s) - t0) )); }
@@ -68,7 +68,8 @@ run)
   V=("$@")
   mix=mix=$W/mix/data,mix_fraction=0.3
   [ ${#V[@]} -gt 0 ] || V=("all-full:per=all,mode=full,train.lr=1e-4" "all-mix:per=all,mode=full,train.lr=1e-4,$mix"
-    "all-task:per=all,mode=full,train.lr=1e-4,split=task,$mix" "cell-mix:per=workload_level,mode=full,train.lr=1e-4,$mix"
+    "all-blend:per=all,mode=full,train.lr=1e-4,$mix,blend=0.7"
+    "all-task:per=all,mode=full,train.lr=1e-4,split=task,$mix,blend=0.7" "cell-mix:per=workload_level,mode=full,train.lr=1e-4,$mix"
     "all-lora:per=all,mode=lora,train.lr=1e-3,$mix")
   for v in "${V[@]}"; do
     name=${v%%:*}; ovr=${v#*:}
