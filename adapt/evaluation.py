@@ -39,6 +39,7 @@ class EvalConfig:
     min_ratio: float = 1.0  # gate: τ(adapted) / τ(base) on each of its cells at least this
     max_general_regression: float = 0.02  # gate: 1 − τ(adapted) / τ(base) on the benchmark mean at most this
     batch_size: int = 8  # held-out rows replayed together (one drafter, by prompt length)
+    general_workers: int = 1  # processes for the general benchmarks (a GPU is shared well by several)
     summary: str = ""  # summary.json whose `adaptation` section is rewritten
 
 
@@ -82,7 +83,7 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
     from dspine.agents.traces import load_traces
     from dspine.checkpoint import load_drafter, resolve_drafter
     from dspine.eval.acceptance import benchmark_means, evaluate, replay
-    from dspine.io import atomic_write_text, provenance, update_summary
+    from dspine.io import update_summary
     from dspine.target import load_target
 
     ft = json.loads((Path(cfg.finetune) / "finetune.json").read_text())
@@ -125,10 +126,14 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
         drafters[g] = {"path": info["drafter"], "cells": sorted(cells), "adapted": adapted,
                        "split": fc.get("split", "episode"), "heldout_tasks": len(tasks),
                        "heldout_tasks_seen": len(tasks & trained)}  # fmt: skip
+    models = {"base": base, **{g: d.pop("adapted") for g, d in drafters.items()}}
     general = None
     if cfg.limit:
-        models = {"base": base, **{g: d["adapted"] for g, d in drafters.items()}}
-        ev = evaluate(target, models, cfg.benchmarks, cfg.limit, [0.0], cfg.max_new_tokens, progress=progress)
+        _finish(cfg, per_cell, drafters, None, pending=True)  # the replay kept should the benchmarks be cut short
+        paths = {"base": str(resolve_drafter(fc["base"], fc["target"])), **{g: d["path"] for g, d in drafters.items()}}
+        ev = evaluate(target, models, cfg.benchmarks, cfg.limit, [0.0], cfg.max_new_tokens, progress=progress,
+                      workers=cfg.general_workers, target_spec=(fc["target"], fc["dtype"], fc["device"]),
+                      drafter_paths=paths)  # fmt: skip
         means = benchmark_means(ev["results"])["T0"]
         general = {
             "tau_mean": {n: means[n] for n in models},
@@ -137,19 +142,28 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
             "limit": cfg.limit,
             "max_new_tokens": cfg.max_new_tokens,
         }
-    for d in drafters.values():
-        d.pop("adapted")
+    doc = _finish(cfg, per_cell, drafters, general)
+    if cfg.summary:
+        update_summary(cfg.summary, "adaptation", summary_section(doc))
+    return doc
+
+
+def _finish(cfg: EvalConfig, per_cell: dict, drafters: dict, general: dict | None, pending: bool = False) -> dict:
+    """The evaluation document, gated and written (cfg.out and its .md). `pending`: the general benchmarks are
+    still to run — every drafter refused until they have."""
+    from dspine.io import atomic_write_text, provenance
+
     doc = {"per_cell": per_cell, "drafters": drafters, "general": general, "finetune": str(cfg.finetune)}
     doc["min_ratio"] = min((c["ratio"] for c in per_cell.values()), default=None)
     doc["general_regression"] = max(general["regression"].values()) if general else None
     doc["gate"] = gate(doc, cfg.min_ratio, cfg.max_general_regression)
+    if pending:
+        doc["gate"] = {g: {"accept": False, "reasons": ["general benchmarks pending"]} for g in drafters}
     doc["thresholds"] = {"min_ratio": cfg.min_ratio, "max_general_regression": cfg.max_general_regression}
     doc.update(provenance())
     if cfg.out:
         atomic_write_text(cfg.out, json.dumps(doc, indent=1))
         atomic_write_text(Path(cfg.out).with_suffix(".md"), markdown(doc))
-    if cfg.summary:
-        update_summary(cfg.summary, "adaptation", summary_section(doc))
     return doc
 
 

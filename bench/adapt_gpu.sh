@@ -24,7 +24,7 @@
 # and `run` finds them in /tmp/adapt/traces (step 3 is then skipped).
 # `run` trains the variants one after another, each for TRAIN_S seconds (default 60), evaluates each (held-out
 # rows of every cell replayed EVAL_BATCH at a time, at most MAX_ROWS of them, 0: all; the seven benchmarks at LIMIT
-# items, default 3), starts none with less than TRAIN_S + EVAL_S (240) of its S seconds left, and cuts an evaluation
+# items, default 3, in GENERAL_WORKERS processes, default 4), starts none with less than TRAIN_S + EVAL_S (240) of its S seconds left, and cuts an evaluation
 # at S + 20; $OUT gets each fine-tune's finetune.json as soon as it ends, then adapt_<variant>.{json,md}. A variant is
 # NAME:OVERRIDE,OVERRIDE,... of FinetuneConfig (adapt/finetuning.py); the default set compares one drafter for all
 # traces without and with general data mixed in, then blended with the base in weight space (blend=0.7), held
@@ -82,7 +82,7 @@ run)
     cp $W/$name/finetune.json $OUT/finetune_$name.json || continue
     # bounded by the time left: the replay is batched, the rows capped (taken in turn from every cell)
     timeout "$(left $(( S + 20 )))" python adapt/evaluate.py --finetune $W/$name --out $OUT/adapt_$name.json \
-      limit=${LIMIT:-3} batch_size=${EVAL_BATCH:-32} max_rows=${MAX_ROWS:-0} > $W/ev_$name.log 2>&1 || true
+      limit=${LIMIT:-3} batch_size=${EVAL_BATCH:-32} max_rows=${MAX_ROWS:-0} general_workers=${GENERAL_WORKERS:-4} > $W/ev_$name.log 2>&1 || true
     cat $OUT/adapt_$name.md 2> /dev/null || tail -c 1500 $W/ev_$name.log
   done ;;
 esac

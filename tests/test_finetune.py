@@ -191,6 +191,13 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
     assert (tmp_path / "adapt.md").read_text().count("tool/low") == 1
     info = doc["drafters"]["all"]  # every row has task "t": the held-out task was trained on
     assert (info["split"], info["heldout_tasks"], info["heldout_tasks_seen"]) == ("episode", 1, 1)
+    # general benchmarks that fail to run (an unknown one) leave the replay written, the drafter refused meanwhile
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+        evaluate_adaptation(EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "cut.json"), limit=1,
+                                       benchmarks=["nope"]), progress=False)  # fmt: skip
+    cut = json.loads((tmp_path / "cut.json").read_text())
+    assert cut["per_cell"] == json.loads(json.dumps(doc["per_cell"])) and cut["general"] is None
+    assert cut["gate"]["all"] == {"accept": False, "reasons": ["general benchmarks pending"]}
     # swapped: the random drafter as the candidate is refused, with its figure
     swapped = json.loads((tmp_path / "ft" / "finetune.json").read_text())
     swapped["config"]["base"], swapped["groups"]["all"]["drafter"] = (
