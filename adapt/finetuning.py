@@ -252,7 +252,7 @@ def train_group(
     drafter = prepare_drafter(cfg, target)
     train = mix_in(data["train"], cfg)
     tcfg = dataclasses.replace(cfg.train, seed=cfg.seed, stop_after_s=cfg.report_every_s)
-    extra = {"adapted_from": cfg.base, "group": group, "mode": cfg.mode, "traces": cfg.traces, "blend": cfg.blend}
+    extra = {"adapted_from": cfg.base, "group": group, "mode": cfg.mode, "traces": cfg.traces}
     if resume_from is not None and resume_from != workdir:
         shutil.copytree(resume_from, workdir, dirs_exist_ok=True)
     tr = Trainer({group: drafter}, target, train, tcfg, data["heldout"] or None, {group: workdir}, extra)
@@ -277,7 +277,7 @@ def train_group(
         if cfg.blend < 1:
             blend_weights(plain, prepare_drafter(dataclasses.replace(cfg, mode="full"), target).state_dict(), cfg.blend)
         last = {**hist[-1], "processes": tr.world}
-        save_drafter(plain, workdir / "final", extra={**extra, "history": last}, derived=False)
+        save_drafter(plain, workdir / "final", extra={**extra, "history": last, "blend": cfg.blend}, derived=False)
     return hist
 
 
