@@ -89,7 +89,8 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
     ft = json.loads((Path(cfg.finetune) / "finetune.json").read_text())
     fc = ft["config"]
     target = load_target(fc["target"], dtype=getattr(torch, fc["dtype"]), device=fc["device"])
-    base = load_drafter(resolve_drafter(fc["base"], fc["target"]), target, device=fc["device"])
+    base_path = str(resolve_drafter(fc["base"], fc["target"]))
+    base = load_drafter(base_path, target, device=fc["device"])
     rows = load_traces(fc["traces"]).to_pylist()
     per_cell: dict = {}
     drafters: dict = {}
@@ -130,7 +131,7 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
     general = None
     if cfg.limit:
         _finish(cfg, per_cell, drafters, None, pending=True)  # the replay kept should the benchmarks be cut short
-        paths = {"base": str(resolve_drafter(fc["base"], fc["target"])), **{g: d["path"] for g, d in drafters.items()}}
+        paths = {"base": base_path, **{g: d["path"] for g, d in drafters.items()}}
         ev = evaluate(target, models, cfg.benchmarks, cfg.limit, [0.0], cfg.max_new_tokens, progress=progress,
                       workers=cfg.general_workers, target_spec=(fc["target"], fc["dtype"], fc["device"]),
                       drafter_paths=paths)  # fmt: skip

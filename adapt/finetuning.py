@@ -177,13 +177,13 @@ def mix_in(samples: list, cfg: FinetuneConfig) -> list:
 
 
 def prepare_drafter(cfg: FinetuneConfig, target):
-    """The base drafter, warm-started (weights only), checked against the target; LoRA-injected in lora mode."""
+    """The base drafter, warm-started (weights only), checked against the target."""
     import torch
 
     from dspine.checkpoint import load_drafter, resolve_drafter
 
-    d = load_drafter(resolve_drafter(cfg.base, cfg.target), target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
-    return add_lora(d, cfg) if cfg.mode == "lora" else d
+    path = resolve_drafter(cfg.base, cfg.target)
+    return load_drafter(path, target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
 
 
 def add_lora(drafter, cfg: FinetuneConfig):
@@ -250,6 +250,8 @@ def train_group(
 
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     drafter = prepare_drafter(cfg, target)
+    base_state = {k: v.clone() for k, v in drafter.state_dict().items()} if cfg.blend < 1 else None
+    drafter = add_lora(drafter, cfg) if cfg.mode == "lora" else drafter
     train = mix_in(data["train"], cfg)
     tcfg = dataclasses.replace(cfg.train, seed=cfg.seed, stop_after_s=cfg.report_every_s)
     extra = {"adapted_from": cfg.base, "group": group, "mode": cfg.mode, "traces": cfg.traces}
@@ -274,8 +276,8 @@ def train_group(
 
             drafter.load_state_dict(load_file(str(best)))
         plain = merge_lora(drafter) if cfg.mode == "lora" else drafter
-        if cfg.blend < 1:
-            blend_weights(plain, prepare_drafter(dataclasses.replace(cfg, mode="full"), target).state_dict(), cfg.blend)
+        if base_state is not None:
+            blend_weights(plain, base_state, cfg.blend)
         last = {**hist[-1], "processes": tr.world}
         save_drafter(plain, workdir / "final", extra={**extra, "history": last, "blend": cfg.blend}, derived=False)
     return hist

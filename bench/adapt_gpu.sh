@@ -24,9 +24,9 @@
 # and `run` finds them in /tmp/adapt/traces (step 3 is then skipped).
 # `run` trains the variants one after another, each for TRAIN_S seconds (default 60), evaluates each (held-out
 # rows of every cell replayed EVAL_BATCH at a time, at most MAX_ROWS of them, 0: all; the seven benchmarks at LIMIT
-# items, default 3, in GENERAL_WORKERS processes, default 4), starts none with less than TRAIN_S + EVAL_S (240) of its S seconds left, and cuts an evaluation
-# at S + 20; $OUT gets each fine-tune's finetune.json as soon as it ends, then adapt_<variant>.{json,md}. A variant is
-# NAME:OVERRIDE,OVERRIDE,... of FinetuneConfig (adapt/finetuning.py); the default set compares one drafter for all
+# items, default 3, in GENERAL_WORKERS processes, default 4), starts none with less than TRAIN_S + EVAL_S (240) of
+# its S seconds left, and cuts an evaluation at S + 20; $OUT gets each fine-tune's finetune.json as soon as it ends,
+# then adapt_<variant>.{json,md}. A variant is NAME:OVERRIDE,OVERRIDE,... of FinetuneConfig (adapt/finetuning.py); the default set compares one drafter for all
 # traces without and with general data mixed in, then blended with the base in weight space (blend=0.7), held
 # out by episode vs by task (no held-out task trained on), one per workload × level, and LoRA.
 set -euo pipefail
