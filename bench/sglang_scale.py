@@ -7,7 +7,8 @@ target of a Qwen3-8B / Qwen3-4B shape (or a config file) with random weights, at
 
 Each server decodes exactly --max-new-tokens per request at concurrencies 1, 4, 16, 32; SGLANG_SIMULATE_ACC_LEN
 forces the accepted length of every round (τ), so round costs are real measurements of the plugin at that τ.
-Results accumulate per shape in --out (a rerun skips the variants already measured with the same settings),
+With --profile N, DSpine's GPU kernels per round are set against DFlash's (SGLang's own profiler). Results
+accumulate per shape in --out (a rerun skips the variants already measured with the same settings),
 with a Markdown table beside it and the `speed_scale` section of --summary. The projection uses the real
 target's τ from --summary's `acceptance` section and the paper's Qwen3-8B τ. See dspine/sglang/scale.py.
 """
@@ -43,6 +44,14 @@ def main() -> int:
     ap.add_argument("--kernels", help="bench/kernels.py JSON at this width (injection, transition per round)")
     ap.add_argument("--out", default=None, help="JSON (default: WORK/sglang_scale.json); .md written beside it")
     ap.add_argument("--summary", help="summary.json: its `speed_scale` section is rewritten")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="per drafter server, N requests decoded at c=1 under SGLang's torch profiler: GPU kernels per round, "
+        "DSpine against DFlash at each τ (0: none)",
+    )
+    ap.add_argument("--profile-tokens", type=int, default=128, help="tokens per profiled request")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
     measured = {}
@@ -63,6 +72,8 @@ def main() -> int:
         summary=a.summary,
         kernels=a.kernels,
         measured_tau=measured,
+        profile_requests=a.profile,
+        profile_tokens=a.profile_tokens,
         progress=not a.no_progress,
     )
     try:

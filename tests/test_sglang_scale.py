@@ -2,10 +2,13 @@
 serves with random weights, the projection arithmetic and the summary section. The measurement itself runs on
 the H200 (bench/sglang_scale.py)."""
 
+import gzip
 import json
 import math
+import shutil
 
 import pytest
+import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from dspine.checkpoint import config_from_json
@@ -16,6 +19,8 @@ from dspine.sglang.scale import (
     ScaleConfig,
     analyse,
     fit_round,
+    kernel_diff,
+    kernel_times,
     project,
     scale_markdown,
     scale_section,
@@ -138,8 +143,45 @@ def test_analysis_and_summary_section():
     assert sec["dspine_vs_ar_c1_tau4_8"] == pytest.approx(1000 * 4.8 / (12.6 * 125))
     assert sec["dspine_round_over_dflash"]["4.8"]["4"] == pytest.approx(14.6 / 14.4)
     assert sec["errors"] == {"dspine@9": "RuntimeError: SGLang did not start"}
+    assert doc["kernel_diff"] == {}  # no profiles measured
     md = scale_markdown({"shapes": {"qwen3-8b": doc}})
-    assert "dspine@4.8" in md and "dspine@9 failed" in md and "Projection" in md
+    assert "dspine@4.8" in md and "dspine@9 failed" in md and "Projection" in md and "kernels per round" not in md
+    # profiles of both drafters at τ = 3: DSpine ran one kernel more and its matmuls longer
+    var["dspine@3"]["profile"] = {
+        "rounds": 10,
+        "kernels": {"gemm": {"us": 300.0, "n": 20}, "inject": {"us": 15.0, "n": 50}},
+    }
+    var["dflash@3"]["profile"] = {
+        "rounds": 20,
+        "kernels": {"gemm": {"us": 560.0, "n": 40}, "argmax": {"us": 4.0, "n": 20}},
+    }
+    doc.update(analyse(doc, {}, kernels))
+    kd = doc["kernel_diff"]["3"]
+    assert set(doc["kernel_diff"]) == {"3"}
+    assert [r["kernel"] for r in kd["rows"]] == ["gemm", "inject", "argmax"]  # by |difference| per round
+    assert kd["rows"][0]["diff_us"] == pytest.approx(30.0 - 28.0) and kd["rows"][1]["b_us"] == 0.0
+    assert kd["rows"][1]["a_n"] == 5.0 and kd["total_diff_us"] == pytest.approx(31.5 - 28.2)
+    md = scale_markdown({"shapes": {"qwen3-8b": doc}})
+    assert "GPU kernels per round at c=1, τ=3" in md and "| inject | 1.5 (5.0) | 0.0 (0.0) | +1.5 |" in md
+
+
+def test_kernel_times_read_a_real_profiler_trace(tmp_path):
+    """torch.profiler's own Chrome trace (as SGLang's /start_profile writes it), plain and gzipped."""
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(7):
+            torch.mm(a, b)
+        torch.add(a, b)
+    path = tmp_path / "rank0.trace.json"
+    prof.export_chrome_trace(str(path))
+    with open(path, "rb") as f, gzip.open(tmp_path / "rank0.trace.json.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    k = kernel_times(path, cats=("cpu_op",))
+    assert k["aten::mm"]["n"] == 7 and k["aten::mm"]["us"] > 0 and k["aten::add"]["n"] == 1
+    assert kernel_times(tmp_path / "rank0.trace.json.gz", cats=("cpu_op",)) == k
+    assert kernel_times(path) == {}  # a CPU run has no GPU kernels
+    d = kernel_diff({"rounds": 7, "kernels": k}, {"rounds": 7, "kernels": {"aten::add": k["aten::add"]}}, top=1)
+    assert d["rows"][0]["kernel"] == "aten::mm" and d["rows"][0]["a_n"] == 1.0 and d["rows"][0]["b_n"] == 0.0
 
 
 def test_flags_are_replaced_not_doubled_and_kernel_figures_follow_the_width_rule(tmp_path):

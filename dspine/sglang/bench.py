@@ -156,15 +156,18 @@ class SGLangServer:
     def generate(self, ids: list[int], max_new_tokens: int, temperature: float, ignore_eos: bool = False) -> dict:
         """ignore_eos: decode exactly max_new_tokens (random-weight targets for timing)."""
         sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
-        body = {"input_ids": ids, "sampling_params": sampling}
-        req = urllib.request.Request(
-            self.base + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
         t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=600) as r:
-            doc = json.loads(r.read())
+        doc = json.loads(self.post("/generate", {"input_ids": ids, "sampling_params": sampling}))
         doc["latency_s"] = time.perf_counter() - t0
         return doc
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 600) -> bytes:
+        """POST a JSON body to one of the server's endpoints -> the raw reply."""
+        req = urllib.request.Request(
+            self.base + path, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read()
 
     def close(self):
         """Stop the server and the scheduler/detokenizer processes it spawned (its own process group)."""

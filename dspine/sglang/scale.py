@@ -12,13 +12,16 @@ No weights of that size exist offline and none are needed for timing:
 - requests decode exactly `max_new_tokens` (`ignore_eos`), so every server does the same work.
 Per server: prefill per prompt, then the prompt set at each concurrency (throughput), the round's CUDA-event
 split from inside SGLang (draft / verify / glue, plugin timing), and at concurrency 1 the round in wall time
-against the AR server's step. The servers of a run start in groups side by side (a start is mostly CPU work)
-and are measured one at a time. `project` combines the round costs with acceptance lengths measured elsewhere
-(the real target's, the paper's) into throughput against AR and against DFlash.
+against the AR server's step; with `profile_requests`, each drafter's rounds at concurrency 1 under SGLang's own
+torch profiler (`/start_profile`), its GPU kernels summed per round, DSpine's set against DFlash's at the same τ
+(`kernel_diff`: where DSpine's extra draft time goes). The servers of a run start in groups side by side (a
+start is mostly CPU work) and are measured one at a time. `project` combines the round costs with acceptance
+lengths measured elsewhere (the real target's, the paper's) into throughput against AR and against DFlash.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import time
@@ -217,6 +220,76 @@ def measure_server(srv, prompts: list[list[int]], conc: list[int], max_new_token
     return rows
 
 
+def kernel_times(trace, cats: tuple[str, ...] = ("kernel",)) -> dict[str, dict]:
+    """A Chrome trace as torch.profiler exports it (SGLang's `/start_profile` writes `*.trace.json.gz`): a path
+    (.json or .json.gz) or the loaded document -> {name: {"us": summed duration, "n": events}} over its complete
+    ("X") events of the categories `cats`, largest first."""
+    if not isinstance(trace, dict):
+        path = Path(trace)
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    out: dict[str, dict] = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") in cats:
+            k = out.setdefault(ev["name"], {"us": 0.0, "n": 0})
+            k["us"] += float(ev.get("dur", 0.0))
+            k["n"] += 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["us"]))
+
+
+def kernel_diff(a: dict, b: dict, top: int = 12) -> dict:
+    """Two profiles {"rounds", "kernels": {name: {"us", "n"}}} -> per round: the `top` kernels by |a − b| (µs and
+    launches per round in each) and the totals; names only one side ran count 0 on the other."""
+    ra, rb = max(1, a["rounds"]), max(1, b["rounds"])
+    ka, kb = a["kernels"], b["kernels"]
+    rows = []
+    for name in set(ka) | set(kb):
+        x, y = ka.get(name, {"us": 0.0, "n": 0}), kb.get(name, {"us": 0.0, "n": 0})
+        ua, ub = x["us"] / ra, y["us"] / rb
+        rows.append(
+            {"kernel": name, "a_us": ua, "b_us": ub, "diff_us": ua - ub, "a_n": x["n"] / ra, "b_n": y["n"] / rb}
+        )
+    rows.sort(key=lambda r: -abs(r["diff_us"]))
+    total_a = sum(k["us"] for k in ka.values()) / ra
+    total_b = sum(k["us"] for k in kb.values()) / rb
+    return {"rows": rows[:top], "total_a_us": total_a, "total_b_us": total_b, "total_diff_us": total_a - total_b}
+
+
+def _trace_in(folder: Path, wait_s: float) -> Path:
+    """The trace SGLang's profiler writes into `folder` once it is complete (its size stops changing)."""
+    deadline, last = time.time() + wait_s, None
+    while time.time() < deadline:
+        found = sorted(folder.rglob("*.trace.json*"))
+        if found:
+            size = sum(f.stat().st_size for f in found)
+            if size == last:
+                return found[-1]
+            last = size
+        time.sleep(2)
+    raise TimeoutError(f"no complete profiler trace in {folder} after {wait_s:.0f} s")
+
+
+def profile_rounds(srv, prompts, requests: int, max_new_tokens: int, folder: Path, timing: Path, keep: int = 60):
+    """`requests` prompts decoded one at a time under SGLang's torch profiler (GPU activity) -> {"rounds", "kernels"
+    (the `keep` largest by GPU time), "trace"}; rounds from the plugin's timer around the profiled requests."""
+    from dspine.sglang.bench import _run_set, _timing_mark
+
+    folder.mkdir(parents=True, exist_ok=True)
+    before = _timing_mark(srv, prompts[0], timing)
+    srv.post("/start_profile", {"output_dir": str(folder), "activities": ["GPU"]})
+    _run_set(srv, prompts[:requests], 1, max_new_tokens, 0.0, ignore_eos=True)
+    srv.post("/stop_profile")
+    after = _timing_mark(srv, prompts[0], timing)
+    trace = _trace_in(folder, 300)
+    kern = kernel_times(trace)
+    return {
+        "rounds": after["rounds"] - before["rounds"],
+        "kernels": dict(list(kern.items())[:keep]),
+        "trace": str(trace),
+    }
+
+
 @dataclass
 class ScaleConfig:
     """What `bench/sglang_scale.py` asks for."""
@@ -242,6 +315,8 @@ class ScaleConfig:
     summary: str | None = None
     kernels: str | None = None  # bench/kernels.py JSON at this shape (injection, transition per round)
     measured_tau: dict[str, float] = field(default_factory=dict)  # {method: τ} on the real target
+    profile_requests: int = 0  # per drafter server: requests decoded at c=1 under SGLang's profiler (0: none)
+    profile_tokens: int = 128
     progress: bool = True
 
     def validate(self) -> None:
@@ -340,6 +415,14 @@ def run_scale(cfg: ScaleConfig) -> dict:
                     entry["by_concurrency"] = measure_server(
                         srv, prompts, cfg.concurrencies, cfg.max_new_tokens, timing
                     )
+                    if cfg.profile_requests and timing is not None:
+                        folder = work / "profiles" / f"{paths['name']}-{name}"
+                        try:
+                            entry["profile"] = profile_rounds(
+                                srv, prompts, cfg.profile_requests, cfg.profile_tokens, folder, timing
+                            )
+                        except (RuntimeError, OSError, TimeoutError, ValueError) as e:  # the timings stand
+                            entry["profile_error"] = f"{type(e).__name__}: {e}"
                 except (RuntimeError, OSError, KeyError) as e:  # a failed server is recorded, the rest go on
                     entry["error"] = f"{type(e).__name__}: {e}"
                 srv.close()
@@ -431,6 +514,12 @@ def analyse(doc: dict, measured_tau: dict[str, float], kernels: dict | None) -> 
     # a labelled variant is projected at its method's τ (dspine-fused at DSpine's)
     labels = {k: {m: v[m.split("-")[0]] for m in rounds if m.split("-")[0] in v} for k, v in labels.items()}
     res["projection"] = project(rounds, ar_step, labels) if rounds else {}
+    prof = {n: v["profile"] for n, v in var.items() if v.get("profile", {}).get("rounds")}
+    res["kernel_diff"] = {
+        f"{t:g}": kernel_diff(prof[variant_name("dspine", t)], prof[variant_name("dflash", t)])
+        for t in taus
+        if variant_name("dspine", t) in prof and variant_name("dflash", t) in prof
+    }
     return res
 
 
@@ -550,6 +639,21 @@ def scale_markdown(whole: dict) -> str:
                 f"{k['injection_ms']:.3f} ms ({k['injection_variant']}), transition cache + walk "
                 f"{k['transition_ms']:.3f} ms ({k.get('transition_variant', 'fused')}).\n"
             )
+        for t, kd in (doc.get("kernel_diff") or {}).items():
+            parts.append(
+                f"\nGPU kernels per round at c=1, τ={t} (SGLang's profiler): DSpine {kd['total_a_us']:.1f} µs, DFlash "
+                f"{kd['total_b_us']:.1f} µs (+{kd['total_diff_us']:.1f}); the largest differences:\n"
+            )
+            rows = [
+                [
+                    r["kernel"][:90],
+                    f"{r['a_us']:.1f} ({r['a_n']:.1f})",
+                    f"{r['b_us']:.1f} ({r['b_n']:.1f})",
+                    f"{r['diff_us']:+.1f}",
+                ]
+                for r in kd["rows"]
+            ]
+            parts.append(md_table(["kernel", "DSpine µs (launches)", "DFlash µs (launches)", "difference µs"], rows))
         errs = {n: v["error"] for n, v in doc.get("variants", {}).items() if "error" in v}
         for n, e in errs.items():
             parts.append(f"\n- {n} failed: {e}\n")
