@@ -10,6 +10,7 @@ global batch split over the GPUs; same data and steps as one process — on 2 H2
 0.21 s on one, so raise train.batch_size with N); the other stages stay one process.
 The shipped base drafter: --base (then warm_from=<previous ship folder> to continue it, --ship DIR to write it).
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
+The curve across runs that continued one another: --stage curve --reports gpu3=A.json gpu4=B.json --out c.svg
 Overrides: dotted keys of dspine.train.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
 """
 
@@ -20,10 +21,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspine.config import apply_overrides, from_dict
-from dspine.io import update_summary
+from dspine.io import atomic_write_text, update_summary
 from dspine.train.recipe import (
     RecipeConfig,
     acceptance_summary,
+    lineage_chart,
     run_eval_stage,
     run_regen_stage,
     run_train_stage,
@@ -33,8 +35,14 @@ from dspine.train.recipe import (
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("regen", "train", "eval", "all"), required=True)
-    ap.add_argument("--work", required=True, help="folder for the dataset and the trained drafters")
+    ap.add_argument("--stage", choices=("regen", "train", "eval", "all", "curve"), required=True)
+    ap.add_argument("--work", help="folder for the dataset and the trained drafters (every stage but curve)")
+    ap.add_argument(
+        "--reports",
+        nargs="+",
+        metavar="JSON",
+        help="curve: [NAME=]train report (or eval JSON) of runs that continued one another, oldest first",
+    )
     ap.add_argument("--out", help="eval JSON (a .md table beside it)")
     ap.add_argument("--summary", help="summary.json whose acceptance section the eval stage rewrites")
     ap.add_argument("--tiny", action="store_true", help="the CPU-test-sized recipe")
@@ -50,6 +58,17 @@ def main() -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
+    if a.stage == "curve":
+        if not (a.reports and a.out):
+            ap.error("--stage curve needs --reports and --out (an .svg)")
+        named = [r.split("=", 1) if "=" in r else (Path(r).stem, r) for r in a.reports]
+        reps = [json.loads(Path(path).read_text()) for _, path in named]
+        reps = [r.get("train_report", r) for r in reps]  # an eval JSON holds its run's train report
+        atomic_write_text(a.out, lineage_chart(reps, [name for name, _ in named]))
+        print(a.out)
+        return 0
+    if not a.work:
+        ap.error("--work is needed for this stage")
     preset = RecipeConfig.cpu_tiny() if a.tiny else RecipeConfig.base_drafter() if a.base else RecipeConfig()
     base = asdict(preset)
     cfg = from_dict(RecipeConfig, apply_overrides(base, a.overrides), "recipe")

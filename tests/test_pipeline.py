@@ -170,13 +170,30 @@ def test_eval_refuses_checkpoint_for_another_target(tmp_path, capsys):
 def test_tiny_recipe_end_to_end(tmp_path):
     """The GPU recipe at CPU size: every trained drafter beats its untrained self and stays lossless."""
     from dspine.io import update_summary
-    from dspine.train.recipe import RecipeConfig, acceptance_summary, run_eval_stage, run_train_stage
+    from dspine.train.recipe import (
+        RecipeConfig,
+        acceptance_summary,
+        lineage_chart,
+        lineage_curve,
+        run_eval_stage,
+        run_train_stage,
+    )
 
     cfg = RecipeConfig.cpu_tiny()
     rep = run_train_stage(cfg, tmp_path, progress=False)
     for m, r in rep["methods"].items():
         assert r["best_tau_sim"] > r["tau_sim_before"], (m, r)
     assert set(rep["methods"]) == {"dflash", "post_backbone", "dspine", "dspine_nocos"}
+    # the curve across runs that continued one another: the second run's points after the first's sequences
+    n, seen = len(rep["methods"]["dspine"]["eval_curve"]), rep["train"]["sequences"] / 1000
+    cur = lineage_curve([rep, rep])
+    assert len(cur["x"]) == 2 * n and cur["x"][n] == pytest.approx(seen + cur["x"][0])
+    assert cur["dspine"][:n] == cur["dspine"][n:] and cur["dspine"] != cur["dflash"]
+    svg = lineage_chart([rep, rep], ["a", "b"])
+    assert svg.count("<polyline") == 2 and "(a → b)" in svg
+    pts = [float(xy.split(",")[0]) for xy in svg.split('points="')[1].split('"')[0].split()]
+    rel = lambda v: [(t - v[0]) / (v[-1] - v[0]) for t in v]  # points placed to scale in x
+    assert rel(pts) == pytest.approx(rel(cur["x"]), abs=2e-3)
     cfg = dataclasses.replace(cfg, eval_top_k=[2])  # plus the dspine drafter decoded with a 2-wide walk
     doc = run_eval_stage(cfg, tmp_path, tmp_path / "acc.json", progress=False)
     # two engine processes give the very same tokens and acceptance as one

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from dspine.drafter import DSpineConfig
 from dspine.eval.acceptance import evaluate, write_results
 from dspine.io import atomic_write_text
 from dspine.methods import VARIANTS
+from dspine.plots import line_panels
 from dspine.target import load_target
 from dspine.train.data import RegenReport, existing_ids, load_samples, regenerate_dataset, workload_items
 from dspine.train.loop import TrainConfig, init_distributed
@@ -309,3 +311,29 @@ def acceptance_summary(doc: dict) -> dict:
         "command": doc["command"],
         "hardware": doc["hardware"],
     }
+
+
+def lineage_curve(reports: list[dict], methods: tuple[str, ...] = ("dspine", "dflash")) -> dict:
+    """Train reports of runs that continued one another, oldest first -> {"x": training sequences seen
+    (thousands, summed across the runs; each run's sequences per step from its own report), method: held-out
+    τ_sim at those points} — the curve across warm starts, whose batch sizes may differ."""
+    out: dict = {"x": [], **{m: [] for m in methods}}
+    seen = 0
+    for rep in reports:
+        per_step = rep["train"]["sequences"] / max(1, rep["train"]["steps"])
+        curves = {m: {int(s): t for s, t in rep["methods"][m]["eval_curve"]} for m in methods}
+        for step in sorted(set.intersection(*(set(c) for c in curves.values()))):
+            out["x"].append((seen + step * per_step) / 1000)
+            for m in methods:
+                out[m].append(curves[m][step])
+        seen += rep["train"]["sequences"]
+    return out
+
+
+def lineage_chart(reports: list[dict], labels: list[str] | None = None) -> str:
+    """lineage_curve as an SVG (one panel; the runs named in its title)."""
+    cur = lineage_curve(reports)
+    series = {m: v for m, v in cur.items() if m != "x"}
+    top = math.ceil(max(max(v) for v in series.values()))
+    title = "held-out τ_sim" + (f" ({' → '.join(labels)})" if labels else "")
+    return line_panels([(title, series)], "training sequences seen (thousands)", y_max=top, width=520, x=cur["x"])
