@@ -88,6 +88,8 @@ def test_shape_from_a_config_file_and_bad_shapes(tmp_path):
         ScaleConfig(concurrencies=[4, 16]).validate()
     with pytest.raises(ConfigError, match="outside"):
         ScaleConfig(taus=[0.5]).validate()
+    with pytest.raises(ConfigError, match="profile_requests"):
+        ScaleConfig(profile_requests=-1).validate()
 
 
 def test_projection_arithmetic():

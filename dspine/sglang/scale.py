@@ -24,6 +24,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,12 +271,13 @@ def _trace_in(folder: Path, wait_s: float) -> Path:
     raise TimeoutError(f"no complete profiler trace in {folder} after {wait_s:.0f} s")
 
 
-def profile_rounds(srv, prompts, requests: int, max_new_tokens: int, folder: Path, timing: Path, keep: int = 60):
+def profile_rounds(srv, prompts, requests: int, max_new_tokens: int, folder: Path, timing: Path, keep: int = 200):
     """`requests` prompts decoded one at a time under SGLang's torch profiler (GPU activity) -> {"rounds", "kernels"
     (the `keep` largest by GPU time), "trace"}; rounds from the plugin's timer around the profiled requests."""
     from dspine.sglang.bench import _run_set, _timing_mark
 
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # a rerun's trace, never an earlier one
+    folder.mkdir(parents=True)
     before = _timing_mark(srv, prompts[0], timing)
     srv.post("/start_profile", {"output_dir": str(folder), "activities": ["GPU"]})
     _run_set(srv, prompts[:requests], 1, max_new_tokens, 0.0, ignore_eos=True)
@@ -325,6 +327,8 @@ class ScaleConfig:
             raise ConfigError("concurrencies must include 1 (the round against the AR step is measured there)")
         if set(self.methods) - {"ar", "dflash", "dspine"} or "ar" not in self.methods:
             raise ConfigError(f"methods {self.methods}: a subset of ar, dflash, dspine that includes ar")
+        if self.profile_requests < 0 or self.profile_tokens < 1:
+            raise ConfigError("profile_requests must be >= 0 and profile_tokens >= 1")
         bad = [t for t in self.taus if not 1 <= t <= self.block]
         if bad:
             raise ConfigError(f"forced τ {bad} outside [1, block {self.block}]")
