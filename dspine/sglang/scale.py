@@ -221,15 +221,13 @@ def measure_server(srv, prompts: list[list[int]], conc: list[int], max_new_token
     return rows
 
 
-def kernel_times(trace, cats: tuple[str, ...] = ("kernel",)) -> dict[str, dict]:
-    """A Chrome trace as torch.profiler exports it (SGLang's `/start_profile` writes `*.trace.json.gz`): a path
-    (.json or .json.gz) or the loaded document -> {name: {"us": summed duration, "n": events}} over its complete
-    ("X") events of the categories `cats`, largest first."""
-    if not isinstance(trace, dict):
-        path = Path(trace)
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            trace = json.load(f)
+def kernel_times(path: str | Path, cats: tuple[str, ...] = ("kernel",)) -> dict[str, dict]:
+    """A Chrome trace file as torch.profiler exports it (SGLang's `/start_profile` writes `*.trace.json.gz`; .json
+    or .json.gz) -> {name: {"us": summed duration, "n": events}} over its complete ("X") events of the categories
+    `cats`, largest first."""
+    path = Path(path)
+    with (gzip.open if path.name.endswith(".gz") else open)(path, "rt") as f:
+        trace = json.load(f)
     out: dict[str, dict] = {}
     for ev in trace.get("traceEvents", []):
         if ev.get("ph") == "X" and ev.get("cat") in cats:
