@@ -8,8 +8,10 @@
 #                                                  dspine.part*, dflash.part* and *_config.json) into place: the
 #                                                  packed data (regen then has nothing left to answer) and both
 #                                                  drafters to warm-start from (several calls when over 64 MiB)
-#   bash bench/base_drafter_gpu.sh start S [MORE]  regenerate (bf16) what is not there yet, pick the batch size
-#                                                  (bench/train_step.py --pick), then train until S seconds after
+#   bash bench/base_drafter_gpu.sh start S [MORE]  regenerate (bf16) what is not there yet (new pools of the
+#                                                  recipe's added_workload too), pick the batch size
+#                                                  (bench/train_step.py --pick; BS=N skips it), then train
+#                                                  until S seconds after
 #                                                  the call began — from the staged drafters' weights when there
 #                                                  are both; the cosine spans this call's training + MORE seconds
 #   bash bench/base_drafter_gpu.sh more S          resume training until S seconds after the call began
@@ -46,7 +48,10 @@ stage)
 start)
   timeout "$(left "$2")" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
   # written beside, then renamed: ovr() reads batch_size, which a redirection would empty before python starts
-  (python bench/train_step.py --work $W --pick --profile --out $OUT/train_step.json $(ovr) || echo 16) | tail -n 1 > $W/bs.new
+  # BS=N skips the probe (a continued run on the same GPU kind: the size the last probe picked)
+  if [ -n "${BS:-}" ]; then echo $BS > $W/bs.new; else
+    (python bench/train_step.py --work $W --pick --profile --out $OUT/train_step.json $(ovr) || echo 16) | tail -n 1 > $W/bs.new
+  fi
   mv $W/bs.new $W/batch_size
   # a warm start (weights only, a new cosine) peaks at LR (default 5e-4, half a fresh run's: it continues)
   if [ -n "$(warm)" ]; then echo ${LR:-5e-4} > $W/lr; fi
@@ -66,10 +71,11 @@ eval)
   cp $W/ship/dspine/config.json $OUT/dspine_config.json ;;
 back)
   rm -rf $W/pack
-  for f in data data_t1; do
+  sets=$(cd $W && ls -d data data_*)  # data, data_t1, and the added pools' data_added*
+  for f in $sets; do
     python -c "from dspine.train.data import pack_dataset as p; p('$W/$f', '$W/pack/$f')"
   done
-  tar c -C $W/pack data data_t1 | split -b 15000000 -d - $OUT/data.tar.
+  tar c -C $W/pack $sets | split -b 15000000 -d - $OUT/data.tar.
   split -b 15000000 -d $W/ship/dflash/model.safetensors $OUT/dflash.part
   cp $W/ship/dflash/config.json $OUT/dflash_config.json ;;
 esac

@@ -179,8 +179,9 @@ def test_tiny_recipe_end_to_end(tmp_path):
         run_train_stage,
     )
 
-    cfg = RecipeConfig.cpu_tiny()
+    cfg = dataclasses.replace(RecipeConfig.cpu_tiny(), added_workload="mbpp_fn")  # a pool joined later
     rep = run_train_stage(cfg, tmp_path, progress=False)
+    assert rep["heldout"] == cfg.heldout and 0 < rep["added_samples"] <= 40 and rep["regen_data_added"]["ok"] == 40
     for m, r in rep["methods"].items():
         assert r["best_tau_sim"] > r["tau_sim_before"], (m, r)
     assert set(rep["methods"]) == {"dflash", "post_backbone", "dspine", "dspine_nocos"}

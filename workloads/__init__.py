@@ -8,8 +8,10 @@ boxed answer, code shows the problem (and its tests or starter code).
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,14 +101,12 @@ def _gsm8k_train():
 
 def _mbpp_train():
     """Full MBPP minus every task of the sanitized set that `mbpp` evaluates on (no contamination)."""
-    held = {r["task_id"] for r in json.loads((DATA / "mbpp/sanitized-mbpp.json").read_text())}
     return [
         Item(
             f"mbpp_train/{r['task_id']}",
             [f"{r['text']}\nYour code should pass these tests:\n" + "\n".join(r["test_list"])],
         )
-        for r in _jsonl(DATA / "mbpp/mbpp.jsonl")
-        if r["task_id"] not in held
+        for r in _jsonl_train_mbpp()
     ]
 
 
@@ -137,12 +137,110 @@ def _bfcl():
     return items
 
 
+_ASSERT = re.compile(r"^assert\s+(?P<call>(?P<name>\w+)\(.*\))\s*==\s*(?P<value>.+)$")
+
+
+def _mbpp_train_rows() -> list[tuple[dict, str, list[tuple[str, str]]]]:
+    """MBPP training tasks (as `mbpp_train`) whose tests call one function and compare its result:
+    (row, the function's `def` line from the reference code, [(call, expected)])."""
+    rows = []
+    for r in _jsonl_train_mbpp():
+        found = [m for t in r["test_list"] if (m := _ASSERT.match(t.strip()))]
+        cases = [(m["call"], m["value"]) for m in found]
+        names = {m["name"] for m in found}
+        if not cases or len(names) != 1:
+            continue
+        sig = re.search(rf"^def\s+{re.escape(names.pop())}\s*\(.*\)\s*:", r["code"], re.M)
+        if sig:
+            rows.append((r, sig.group(0), cases))
+    return rows
+
+
+def _jsonl_train_mbpp() -> list[dict]:
+    held = {r["task_id"] for r in json.loads((DATA / "mbpp/sanitized-mbpp.json").read_text())}
+    return [r for r in _jsonl(DATA / "mbpp/mbpp.jsonl") if r["task_id"] not in held]
+
+
+def _mbpp_fn():
+    """MBPP training tasks asked as HumanEval asks: a signature and a docstring with examples to complete."""
+    out = []
+    for r, sig, cases in _mbpp_train_rows():
+        doc = "\n".join(f"    >>> {call}\n    {value}" for call, value in cases)
+        body = f'{sig}\n    """ {r["text"]}\n{doc}\n    """\n'
+        out.append(
+            Item(
+                f"mbpp_fn/{r['task_id']}",
+                [
+                    "Write a solution to the following problem and make sure that it passes the tests:\n"
+                    f"```python\n{body}\n```"
+                ],
+            )
+        )
+    return out
+
+
+def _call_args(call: str) -> list[str]:
+    """The source text of each argument of a call expression ("f([1, 2], 3)" -> ["[1, 2]", "3"])."""
+    node = ast.parse(call, mode="eval").body
+    return [ast.get_source_segment(call, a) for a in node.args]
+
+
+def _mbpp_io():
+    """MBPP training tasks asked as LiveCodeBench asks: alternately a stdin/stdout problem with sample input
+    and output, and a LeetCode-style method to fill in (starter code)."""
+    out = []
+    for k, (r, sig, cases) in enumerate(_mbpp_train_rows()):
+        name = sig.split("(")[0].split()[-1]
+        params = [p.split("=")[0].split(":")[0].strip() for p in sig[sig.index("(") + 1 : sig.rindex(")")].split(",")]
+        try:
+            cases = [(_call_args(c), v) for c, v in cases]
+        except (SyntaxError, ValueError):
+            continue
+        if k % 2 and all(len(a) == len(params) for a, _ in cases):
+            examples = "\n\n".join(
+                f"Example {i}:\n\nInput: {', '.join(f'{p} = {x}' for p, x in zip(params, a))}\nOutput: {v}"
+                for i, (a, v) in enumerate(cases, 1)
+            )
+            starter = f"class Solution:\n    def {name}(self, {', '.join(params)}):\n        "
+            q = f"{r['text']}\n \n{examples}\n\nYou will use the following starter code:\n```python\n{starter}\n```"
+        else:
+            samples = "\n\n".join(
+                f"Sample Input {i}:\n" + "\n".join(a) + f"\n\nSample Output {i}:\n{v}"
+                for i, (a, v) in enumerate(cases, 1)
+            )
+            q = (
+                f"{r['text']}\n\nInput\n\nEach argument on its own line, as a Python literal.\n\nOutput\n\n"
+                f"Print the answer.\n\n{samples}\n"
+                "\nRead the inputs from stdin, solve the problem and write the answer to stdout."
+            )
+        out.append(Item(f"mbpp_io/{r['task_id']}", [q]))
+    return out
+
+
+_SWE_ASK = "Explain its cause and how to fix it."
+
+
+def _swe_issues():
+    """SWE-bench Lite's issue texts (300 GitHub issues of 12 Python projects), asked to be explained and fixed
+    (chat about real code; the project's agent harness works on its own repositories, not these)."""
+    return [
+        Item(
+            f"swe_issues/{r['instance_id']}",
+            [f"{r['problem_statement'].strip()}\n\nThis issue was reported in {r['repo']}. {_SWE_ASK}"],
+        )
+        for r in _jsonl(DATA / "swebench/swebench_lite.jsonl.gz")
+    ]
+
+
 PROMPT_POOLS = {
     "bfcl": _bfcl,
     "sharegpt": lambda: _sharegpt("ShareGPT_V3_filtered_500.json"),
     "sharegpt_3k": lambda: _sharegpt("sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json"),
     "gsm8k_train": _gsm8k_train,
     "mbpp_train": _mbpp_train,
+    "mbpp_fn": _mbpp_fn,
+    "mbpp_io": _mbpp_io,
+    "swe_issues": _swe_issues,
     "mt_bench": _mt_bench,
 }
 

@@ -55,6 +55,10 @@ class RecipeConfig:
     sampled_workload: str = ""
     sampled_num_prompts: int = 4000  # per pool
     sampled_temperature: float = 1.0
+    # pools joined after the held-out split was drawn (a continued run's new data): answered like the pools
+    # above (greedy, and sampled when sampled_workload is set) into data_added*, all of it for training, so
+    # the held-out set, and τ_sim across continued runs, stay what they were
+    added_workload: str = ""
     warm_from: str = ""  # a folder with <drafter name>/ checkpoints: each drafter starts from its weights
     heldout: int = 64  # regenerated samples (a seeded random choice) kept out of training for simulated τ
     layers: int = 5
@@ -117,6 +121,7 @@ class RecipeConfig:
             workload=pools,
             num_prompts=100_000,
             sampled_workload=pools,
+            added_workload="mbpp_fn+mbpp_io+swe_issues",  # from gpu5 on: code asked as HumanEval / LCB ask, issues
             sampled_num_prompts=3000,
             regen_batch=768,
             heldout=128,
@@ -189,13 +194,19 @@ def run_regen_stage(cfg: RecipeConfig, work: str | Path, target=None, progress: 
     return out
 
 
-def _regen_sets(cfg: RecipeConfig) -> list[tuple[str, str, int, float]]:
-    """(folder, workload, prompts per pool, temperature) of each regenerated set."""
+def _regen_sets(cfg: RecipeConfig, added: bool | None = None) -> list[tuple[str, str, int, float]]:
+    """(folder, workload, prompts per pool, temperature) of each regenerated set; `added`: only the sets of
+    added_workload (True) or only the others (False)."""
+    t = cfg.sampled_temperature
     sets = [("data", cfg.workload, cfg.num_prompts, 0.0)]
     if cfg.sampled_workload:
-        t = cfg.sampled_temperature
         sets.append((f"data_t{t:g}", cfg.sampled_workload, cfg.sampled_num_prompts, t))
-    return sets
+    more = []
+    if cfg.added_workload:
+        more.append(("data_added", cfg.added_workload, cfg.num_prompts, 0.0))
+        if cfg.sampled_workload:
+            more.append((f"data_added_t{t:g}", cfg.added_workload, cfg.sampled_num_prompts, t))
+    return {None: sets + more, False: sets, True: more}[added]
 
 
 def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, resume: bool = False) -> dict:
@@ -216,7 +227,8 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
         _barrier()
     variants = cfg.variants()
     before = {n: previous["methods"][n]["tau_sim_before"] for n in variants} if resume else None
-    samples = [s for folder, *_ in _regen_sets(cfg) for s in load_samples(work / folder)]
+    samples = [s for folder, *_ in _regen_sets(cfg, added=False) for s in load_samples(work / folder)]
+    added = [s for folder, *_ in _regen_sets(cfg, added=True) for s in load_samples(work / folder)]
     warm = {n: Path(cfg.warm_from) / n for n in variants} if cfg.warm_from and not resume else None
     rep = run(
         target,
@@ -227,6 +239,7 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
         layers=cfg.layers,
         block_size=cfg.block_size,
         heldout=cfg.heldout,
+        train_only=added,
         resume=resume,
         warm_from=warm,
         before=before,
@@ -238,7 +251,7 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
         return {}
     steps = rep["steps"]
     ran = steps - (previous.get("train", {}).get("steps", 0) if resume else 0)
-    out.update(samples=rep["samples"], heldout=rep["heldout"], methods=rep["methods"])
+    out.update(samples=rep["samples"], added_samples=len(added), heldout=rep["heldout"], methods=rep["methods"])
     out["train"] = {
         "steps": steps,
         "seconds": rep["seconds"],

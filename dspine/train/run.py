@@ -37,12 +37,15 @@ class DrafterSpec:
     loss: dict[str, float] = field(default_factory=dict)  # gamma / cos_weight / redo_weight
 
 
-def split_heldout(samples: list[Sample], heldout: int, seed: int, max_len: int) -> tuple[list, list]:
+def split_heldout(
+    samples: list[Sample], heldout: int, seed: int, max_len: int, train_only: list[Sample] = ()
+) -> tuple[list, list]:
     """(train, held-out): samples whose prompt leaves room for a response, seeded-shuffled, the first
-    `heldout` kept out."""
+    `heldout` kept out; then `train_only` (such samples too) joins training, leaving the held-out set as it
+    was drawn from `samples` alone."""
     pairs = [p for p in samples if p[1] < max_len - 16]
     random.Random(seed).shuffle(pairs)
-    return pairs[heldout:], pairs[:heldout]
+    return pairs[heldout:] + [p for p in train_only if p[1] < max_len - 16], pairs[:heldout]
 
 
 def warm_start(drafters: list[DSpineDraftModel], checkpoint: str | Path, target) -> list[int]:
@@ -82,6 +85,7 @@ def run(
     layers: int = 5,
     block_size: int = 16,
     heldout: int = 64,
+    train_only: list[Sample] | None = None,
     resume: bool = False,
     warm_from: str | Path | dict[str, str | Path] | None = None,
     before: dict[str, float] | None = None,
@@ -92,13 +96,15 @@ def run(
 ) -> dict:
     """Train the drafters of `specs` in lockstep on `samples` -> a report (rank 0; {} on other ranks).
 
-    outs[name] receives best/ and last/. `resume` continues every drafter from outs[name]/last; `warm_from`
-    initialises every drafter from a checkpoint's weights instead (not both). `before`: held-out τ_sim before
-    training when known (a resumed recipe); else it is measured. `log_path`: one JSON line per step."""
+    outs[name] receives best/ and last/. `train_only`: samples added to training after the held-out split of
+    `samples` is drawn (that split stays the same whatever is added). `resume` continues every drafter from
+    outs[name]/last; `warm_from` initialises every drafter from a checkpoint's weights instead (not both).
+    `before`: held-out τ_sim before training when known (a resumed recipe); else it is measured.
+    `log_path`: one JSON line per step."""
     if resume and warm_from:
         raise ConfigError("resume continues a run; a warm start begins a new one: pick one")
     dtype, device = target.dtype, str(target.device)
-    train_pairs, eval_pairs = split_heldout(samples, heldout, cfg.seed, cfg.max_len)
+    train_pairs, eval_pairs = split_heldout(samples, heldout, cfg.seed, cfg.max_len, train_only or [])
     if not train_pairs or not eval_pairs:
         raise ConfigError(f"{len(samples)} samples are too few for a held-out set of {heldout} and a training set")
     drafters = build_drafters(target, specs, layers, block_size, cfg.seed, dtype, device)
