@@ -44,7 +44,7 @@ def _add_target(p: argparse.ArgumentParser, several_dtypes: bool = False) -> Non
 
 DRAFT_LEN_HELP = (
     "drafts verified per round, 1..block-1 (default: 5 on a CPU, where each draft is a row of the target's verify "
-    "and 5 measured fastest, bench/results/engine_cpu.md; the whole block elsewhere)"
+    "and 5 measured fastest or within noise of it, bench/results/engine_cpu*.md; the whole block elsewhere)"
 )
 
 
@@ -484,7 +484,7 @@ def _draft_dtype(a, target):
     return draft_dtype(a.draft_dtype, target.dtype, a.device)
 
 
-CPU_DRAFT_LEN = 5  # serve/generate's default drafts per round on a CPU (the fastest in bench/results/engine_cpu.md)
+CPU_DRAFT_LEN = 5  # serve/generate's default drafts per round on a CPU (bench/results/engine_cpu*.md)
 
 
 def _engine(target, drafter, draft_len: int | None):
