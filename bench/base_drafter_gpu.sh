@@ -8,12 +8,12 @@
 #                                                  dspine.part*, dflash.part* and *_config.json) into place: the
 #                                                  packed data (regen then has nothing left to answer) and both
 #                                                  drafters to warm-start from (several calls when over 64 MiB)
-#   bash bench/base_drafter_gpu.sh start S [MORE]  regenerate (bf16) what is not there yet (new pools of the
-#                                                  recipe's added_workload too), pick the batch size
-#                                                  (bench/train_step.py --pick; BS=N skips it), then train
-#                                                  until S seconds after
-#                                                  the call began — from the staged drafters' weights when there
-#                                                  are both; the cosine spans this call's training + MORE seconds
+#   bash bench/base_drafter_gpu.sh start S [MORE]  regenerate (bf16) what is not there yet (the new pools of
+#                                                  the recipe's added_workload too), pick the batch size
+#                                                  (bench/train_step.py --pick; BS=N skips it), then train until
+#                                                  S seconds after the call began — from the staged drafters'
+#                                                  weights when there are both; the cosine spans this call's
+#                                                  training + MORE seconds
 #   bash bench/base_drafter_gpu.sh more S          resume training until S seconds after the call began
 #   bash bench/base_drafter_gpu.sh eval            the 7-benchmark τ table (T = 0 and 1, DSpine vs DFlash) to $OUT,
 #                                                  the DSpine drafter in the shipped format in 15 MB pieces
