@@ -15,16 +15,14 @@ import json
 import sys
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import torch
 
 from dspine.config import apply_overrides, from_dict
 from dspine.io import atomic_write_text, md_table, provenance
 from dspine.target import load_target
-from dspine.train.data import load_samples
 from dspine.train.loop import Trainer
-from dspine.train.recipe import RecipeConfig, _regen_sets
+from dspine.train.recipe import RecipeConfig, training_samples
 from dspine.train.run import build_drafters, split_heldout
 
 
@@ -114,8 +112,8 @@ def main() -> int:
     cfg = from_dict(RecipeConfig, apply_overrides(asdict(RecipeConfig.base_drafter()), a.overrides), "recipe")
     batches = sorted(int(b) for b in a.batches.split(","))
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
-    samples = [s for folder, *_ in _regen_sets(cfg) for s in load_samples(Path(a.work) / folder)]
-    samples, _ = split_heldout(samples, cfg.heldout, cfg.train.seed, cfg.train.max_len)
+    samples, added = training_samples(cfg, a.work)
+    samples, _ = split_heldout(samples, cfg.heldout, cfg.train.seed, cfg.train.max_len, added)
     rows = []
     for b in batches:
         try:

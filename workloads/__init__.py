@@ -190,8 +190,8 @@ def _mbpp_io():
     and output, and a LeetCode-style method to fill in (starter code)."""
     out = []
     for k, (r, sig, cases) in enumerate(_mbpp_train_rows()):
-        name = sig.split("(")[0].split()[-1]
-        params = [p.split("=")[0].split(":")[0].strip() for p in sig[sig.index("(") + 1 : sig.rindex(")")].split(",")]
+        fn = ast.parse(sig + " pass").body[0]
+        name, params = fn.name, [x.arg for x in fn.args.args]
         try:
             cases = [(_call_args(c), v) for c, v in cases]
         except (SyntaxError, ValueError):

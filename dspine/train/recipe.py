@@ -206,7 +206,15 @@ def _regen_sets(cfg: RecipeConfig, added: bool | None = None) -> list[tuple[str,
         more.append(("data_added", cfg.added_workload, cfg.num_prompts, 0.0))
         if cfg.sampled_workload:
             more.append((f"data_added_t{t:g}", cfg.added_workload, cfg.sampled_num_prompts, t))
-    return {None: sets + more, False: sets, True: more}[added]
+    if added is None:
+        return sets + more
+    return more if added else sets
+
+
+def training_samples(cfg: RecipeConfig, work: str | Path) -> tuple[list, list]:
+    """(samples the held-out split is drawn from, samples added to training only) of a regenerated work folder."""
+    load = lambda added: [s for f, *_ in _regen_sets(cfg, added) for s in load_samples(Path(work) / f)]
+    return load(False), load(True)
 
 
 def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, resume: bool = False) -> dict:
@@ -227,8 +235,7 @@ def run_train_stage(cfg: RecipeConfig, work: str | Path, progress: bool = True, 
         _barrier()
     variants = cfg.variants()
     before = {n: previous["methods"][n]["tau_sim_before"] for n in variants} if resume else None
-    samples = [s for folder, *_ in _regen_sets(cfg, added=False) for s in load_samples(work / folder)]
-    added = [s for folder, *_ in _regen_sets(cfg, added=True) for s in load_samples(work / folder)]
+    samples, added = training_samples(cfg, work)
     warm = {n: Path(cfg.warm_from) / n for n in variants} if cfg.warm_from and not resume else None
     rep = run(
         target,

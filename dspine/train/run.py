@@ -85,7 +85,7 @@ def run(
     layers: int = 5,
     block_size: int = 16,
     heldout: int = 64,
-    train_only: list[Sample] | None = None,
+    train_only: list[Sample] = (),
     resume: bool = False,
     warm_from: str | Path | dict[str, str | Path] | None = None,
     before: dict[str, float] | None = None,
@@ -104,7 +104,7 @@ def run(
     if resume and warm_from:
         raise ConfigError("resume continues a run; a warm start begins a new one: pick one")
     dtype, device = target.dtype, str(target.device)
-    train_pairs, eval_pairs = split_heldout(samples, heldout, cfg.seed, cfg.max_len, train_only or [])
+    train_pairs, eval_pairs = split_heldout(samples, heldout, cfg.seed, cfg.max_len, train_only)
     if not train_pairs or not eval_pairs:
         raise ConfigError(f"{len(samples)} samples are too few for a held-out set of {heldout} and a training set")
     drafters = build_drafters(target, specs, layers, block_size, cfg.seed, dtype, device)
