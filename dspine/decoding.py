@@ -112,11 +112,11 @@ def top_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (N, d) normed draft states, head (V, d) -> the K best ids (N, K) and their logits (N, K) fp32,
     best first: the candidate sets C_t. `fast`: kernels/candidates.py (no (N, V) logits written) where it
-    was measured faster (K <= 8; DSPINE_CANDIDATES overrides)."""
+    was measured faster (candidates.wanted; DSPINE_CANDIDATES overrides)."""
     if fast:
         from dspine.kernels.candidates import fused_top_candidates, wanted
 
-        if wanted(k):
+        if wanted(k, *hidden.shape):
             return fused_top_candidates(hidden, head, k)
     vals, ids = torch.matmul(hidden, head.t().to(hidden.dtype)).topk(min(k, head.shape[0]), dim=-1)
     return ids, vals.float()

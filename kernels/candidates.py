@@ -119,12 +119,17 @@ def fused_top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int) -> tu
 
 
 FUSED_MAX_K = 8  # auto: the widest K measured faster than torch's matmul + topk at every batch
+WIDE_MAX_ROWS = 64  # auto, above kernels.fused_max_width(): the most rows (4 blocks of 16) it was measured faster at
 
 
-def wanted(k: int) -> bool:
-    """Whether the candidate sets of width k take the fused head (where kernels.enabled holds):
-    DSPINE_CANDIDATES=auto (default) for k <= FUSED_MAX_K, `fused` always, `torch` never."""
-    from . import setting
+def wanted(k: int, rows: int = 0, width: int = 0) -> bool:
+    """Whether the candidate sets of width k for `rows` hidden states of `width` take the fused head (where
+    kernels.enabled holds): DSPINE_CANDIDATES=auto (default) for k <= FUSED_MAX_K, and at wide models
+    (above kernels.fused_max_width(), where cuBLAS writes the logits faster than 16-wide tiles walk d) only up to
+    WIDE_MAX_ROWS rows (bench/results/kernels_qwen3-8b.json); `fused` always, `torch` never."""
+    from . import fused_max_width, setting
 
     mode = setting("DSPINE_CANDIDATES", ("auto", "torch", "fused"), "auto")
-    return mode == "fused" or (mode == "auto" and int(k) <= FUSED_MAX_K)
+    if mode != "auto":
+        return mode == "fused"
+    return int(k) <= FUSED_MAX_K and (width <= fused_max_width() or rows <= WIDE_MAX_ROWS)

@@ -21,8 +21,9 @@ kernels.fused_max_width(), "gemm" above):
   and the layer spreads over 68 programs at batch 1 (16-wide tiles).
 - "gemm": for wide models (4096 at 8B), where a 16-wide tile walking d serially is slow: the two d-wide
   products go to cuBLAS — the raw readout h·R^T and the write-back h + (gate ⊙ message)·W^T as one addmm —
-  with |h| from one reduction; the message kernel of "split" forms f = h·R^T·rms^-1 + b_R itself. Four
-  launches a layer instead of the eager path's dozen.
+  with |h|² from `add_sumsq` (one row kernel, which also adds SGLang's residual into the stream); the message
+  kernel of "split" forms f = h·R^T·rms^-1 + b_R itself. Four launches a layer instead of the eager path's
+  dozen.
 Their timings beside the eager reference: bench/kernels.py (bench/results/kernels*.json).
 """
 
@@ -197,7 +198,7 @@ def _split_kernels():
         BA,
         WP,
         WM,
-        NRM,
+        SQ,
         BR,
         FOUT,
         n_rows,
@@ -214,7 +215,7 @@ def _split_kernels():
         DOT_F32: tl.constexpr,
     ):
         # MSG[rows, s-tile] = σ(A f_t + b + P p_t) ⊙ M p_t (0 on anchor slots: p = 0 there). FROM_RAW: F holds
-        # the unnormalised readout h·R^T and NRM the rows' |h|; f = F·rms^-1 + b_R is formed here (and stored to
+        # the unnormalised readout h·R^T and SQ the rows' |h|²; f = F·rms^-1 + b_R is formed here (and stored to
         # FOUT by the programs of the first s-tile)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         ss = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -224,10 +225,8 @@ def _split_kernels():
         prev = live & (slot >= 2)
         wdt = tl.float32 if DOT_F32 else WA.dtype.element_ty
         if FROM_RAW:
-            n_own = tl.load(NRM + rows, mask=live, other=0.0)
-            n_prev = tl.load(NRM + rows - 1, mask=prev, other=0.0)
-            rs_own = tl.rsqrt(n_own * n_own / IN + eps)
-            rs_prev = tl.rsqrt(n_prev * n_prev / IN + eps)
+            rs_own = tl.rsqrt(tl.load(SQ + rows, mask=live, other=0.0) / IN + eps)
+            rs_prev = tl.rsqrt(tl.load(SQ + rows - 1, mask=prev, other=0.0) / IN + eps)
         g = tl.zeros((BLOCK_M, BLOCK_S), tl.float32)
         m = tl.zeros((BLOCK_M, BLOCK_S), tl.float32)
         for r0 in range(0, R, BLOCK_R):
@@ -284,9 +283,10 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 def fused_injection(
-    inj, h: torch.Tensor, anchor_code: torch.Tensor, variant: str | None = None
+    inj, h: torch.Tensor, anchor_code: torch.Tensor, variant: str | None = None, sumsq: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as Injection.forward: h (N, nb, B, d), anchor_code (N, nb, r) -> (h updated, f (N, nb, B, r))."""
+    """Same contract as Injection.forward: h (N, nb, B, d), anchor_code (N, nb, r) -> (h updated, f (N, nb, B, r)).
+    `sumsq` (N*nb*B,) fp32: the rows' |h|² where the caller already has them (add_sumsq; "gemm" reads them)."""
     N, nb, B, D = h.shape
     R, S = inj.readout.out_features, inj.message.out_features
     h = h.contiguous()
@@ -302,9 +302,9 @@ def fused_injection(
     if variant == "gemm":
         h2 = h.view(n_rows, D)
         raw = torch.mm(h2, inj.readout.weight.t())  # (n_rows, r) h·R^T, normalised in the message kernel
-        nrm = torch.linalg.vector_norm(h2, dim=-1, dtype=torch.float32)  # (n_rows,)
+        sq = add_sumsq(h2)[1] if sumsq is None else sumsq  # (n_rows,) fp32 |h|²
         msg = torch.empty(n_rows, S, device=h.device, dtype=h.dtype)
-        _gate_message(inj, raw, anc, msg, B, eps, D, prec, norms=nrm, f=f)
+        _gate_message(inj, raw, anc, msg, B, eps, D, prec, sumsq=sq, f=f)
         # anchor rows of msg are 0, so they keep h exactly
         torch.addmm(h2, msg, inj.write.weight.t(), out=out.view(n_rows, D))
         return out, f
@@ -377,13 +377,13 @@ def fused_injection(
     return out, f
 
 
-def _gate_message(inj, src, anc, msg, B: int, eps: float, D: int, prec: dict, norms=None, f=None) -> None:
+def _gate_message(inj, src, anc, msg, B: int, eps: float, D: int, prec: dict, sumsq=None, f=None) -> None:
     """msg (n_rows, s) = gate ⊙ message of every row (0 on anchor slots), from the readouts src (n_rows, r); with
-    `norms` (n_rows,) = |h|, src holds the raw h·R^T instead and the readouts formed on the way go to f."""
+    `sumsq` (n_rows,) = |h|², src holds the raw h·R^T instead and the readouts formed on the way go to f."""
     _, message = _split_kernels()
     R, S = inj.readout.out_features, inj.message.out_features
     n_rows = src.numel() // R
-    raw = norms is not None
+    raw = sumsq is not None
     message[(triton_cdiv(n_rows, 16), triton_cdiv(S, 16))](
         src,
         anc,
@@ -392,7 +392,7 @@ def _gate_message(inj, src, anc, msg, B: int, eps: float, D: int, prec: dict, no
         inj.gate_f.bias,
         inj.gate_p.weight,
         inj.message.weight,
-        norms if raw else msg,
+        sumsq if raw else msg,
         inj.readout.bias,
         f if raw else msg,
         n_rows,
@@ -407,6 +407,45 @@ def _gate_message(inj, src, anc, msg, B: int, eps: float, D: int, prec: dict, no
         FROM_RAW=raw,
         **prec,
     )
+
+
+@functools.cache
+def _sumsq_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_sumsq_kernel(H, RES, X, SQ, D: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per row: X = H + RES (rounded to the stream's dtype, as torch's add), SQ = |X|² in fp32
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for d0 in range(0, D, BLOCK):
+            ok = d0 + cols < D
+            x = tl.load(H + row * D + d0 + cols, mask=ok, other=0.0)
+            if HAS_RES:
+                r = tl.load(RES + row * D + d0 + cols, mask=ok, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+                tl.store(X + row * D + d0 + cols, x, mask=ok)
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        tl.store(SQ + row, tl.sum(acc, axis=0))
+
+    return add_sumsq_kernel
+
+
+def add_sumsq(h: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (n, d) [+ residual (n, d)] -> (x = h + residual, or h itself; |x|² (n,) fp32). Reference:
+    `x = h + residual; x.float().square().sum(-1)`. One launch where the "gemm" injection had torch's norm
+    reduction and SGLang's layer output its separate add; SGLang hands the stream over as (h, residual)."""
+    n, D = h.shape
+    h = h.contiguous()
+    x = h if residual is None else torch.empty_like(h)
+    sq = torch.empty(n, device=h.device, dtype=torch.float32)
+    if n:
+        res = h if residual is None else residual.contiguous()
+        _sumsq_kernel()[(n,)](h, res, x, sq, D, HAS_RES=residual is not None, BLOCK=min(1024, _pow2(D)))
+    return x, sq
 
 
 def triton_cdiv(a: int, b: int) -> int:

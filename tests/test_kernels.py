@@ -22,7 +22,7 @@ from dspine.decoding import (  # noqa: E402
 )
 from dspine.drafter import Injection, RMSNorm  # noqa: E402
 from dspine.kernels.candidates import fused_top_candidates  # noqa: E402
-from dspine.kernels.injection import fused_injection, injection_variant  # noqa: E402
+from dspine.kernels.injection import add_sumsq, fused_injection, injection_variant  # noqa: E402
 from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy, fused_walk_sample  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 
@@ -66,6 +66,32 @@ def test_fused_injection_matches_reference(shape, dtype, variant):
         got_h, got_f = fused_injection(inj, h, anchor, variant=variant)
     assert _close(got_h, ref_h, dtype) and _close(got_f, ref_f, dtype)
     assert torch.equal(got_h[:, :, 0], h[:, :, 0])  # the anchor slot is never written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,d", [(16, 576), (3, 100), (32, 2048)])
+def test_add_sumsq_matches_reference(rows, d, dtype):
+    """SGLang's (h, residual) summed into the stream exactly as torch adds them, |x|² beside it; without a
+    residual the input itself comes back. The "gemm" injection reading these sums equals the reference."""
+    torch.manual_seed(rows)
+    h, res = (torch.randn(rows, d, device=DEV).to(dtype) for _ in range(2))
+    x, sq = add_sumsq(h, res)
+    if CUDA or dtype == torch.float32:
+        assert torch.equal(x, h + res)
+    else:  # Triton's interpreter truncates fp32 -> bf16 where compiled kernels round to nearest, as torch does
+        torch.testing.assert_close(x, h + res, rtol=2**-7, atol=0)
+    assert sq.dtype == torch.float32
+    torch.testing.assert_close(sq, x.float().square().sum(-1), rtol=1e-5, atol=1e-3)  # |x|² of the stream given
+    x2, sq2 = add_sumsq(h)
+    assert x2.data_ptr() == h.data_ptr()
+    torch.testing.assert_close(sq2, h.float().square().sum(-1), rtol=1e-5, atol=1e-3)
+    if rows % 16 == 0:
+        inj = _inj(d, 64, 64, dtype, rows)
+        xb, anc = x.view(rows // 16, 1, 16, d), torch.randn(rows // 16, 1, 64, device=DEV).to(dtype)
+        with torch.no_grad():
+            ref_h, ref_f = inj(xb, anc)
+            got_h, got_f = fused_injection(inj, xb, anc, variant="gemm", sumsq=sq)
+        assert _close(got_h, ref_h, dtype) and _close(got_f, ref_f, dtype)
 
 
 def test_injection_variant_is_checked(monkeypatch):
@@ -142,11 +168,13 @@ def test_candidates_switch_is_checked(monkeypatch):
 
     monkeypatch.delenv("DSPINE_CANDIDATES", raising=False)  # auto: fused only as wide as it was measured faster
     assert wanted(FUSED_MAX_K) and not wanted(FUSED_MAX_K + 1)
+    # at 8B width cuBLAS + torch.topk win from 16 blocks of 16 on; at SmolLM2's width the fused head always
+    assert wanted(8, 60, 4096) and not wanted(8, 240, 4096) and wanted(8, 480, 576)
     monkeypatch.setenv("DSPINE_CANDIDATES", "fast")
     with pytest.raises(ValueError, match="DSPINE_CANDIDATES"):
         wanted(8)
     monkeypatch.setenv("DSPINE_CANDIDATES", "fused")
-    assert wanted(32)
+    assert wanted(32) and wanted(8, 480, 4096)
     monkeypatch.setenv("DSPINE_CANDIDATES", "torch")
     assert not wanted(8)
 

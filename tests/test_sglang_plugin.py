@@ -100,11 +100,9 @@ def test_flat_layout_forward_and_proposal_match_dspine(method):
         for i, layer in enumerate(d.layers):
             h = layer(h.view(N, B, -1), cs, *ctx[i], None).reshape(N * B, -1)
             if str(i) in d.injections:
+                h, f, x = inject_flat(d.injections[str(i)], h, anchor_code, B)
                 if i == last:
-                    state["h_pre"] = h
-                h, f = inject_flat(d.injections[str(i)], h, anchor_code, B)
-                if i == last:
-                    state["f"] = f
+                    state["h_pre"], state["f"] = x, f
         torch.testing.assert_close(h.view(N, 1, B, -1), ref.hidden, rtol=0, atol=0)
         model = SimpleNamespace(
             dspine_state=state,
@@ -165,6 +163,41 @@ def test_flat_layout_forward_and_proposal_match_dspine(method):
         eager = propose_from_state(model, slots, padded)
     assert torch.equal(sampler.out[: N * (B - 1)].view(N, B - 1), want)
     assert torch.equal(eager.view(N, B - 1), want)
+
+
+def test_flat_injection_takes_sglangs_split_stream_and_proposes_without_autograd(monkeypatch):
+    """SGLang's layers hand the stream over as (h, residual): the injection of h + residual given apart equals
+    the injection of the summed stream, and returns that stream (the transition cache's h_pre). SGLang calls
+    the draft sampler outside the model's no_grad, where the fused kernels (no backward) would be passed over:
+    the proposal turns autograd off itself."""
+    import dspine.sglang.plugin.core as core
+
+    _, d = _drafter("dspine", seed=2)
+    B, last = d.config.block_size, str(d.config.num_hidden_layers - 1)
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(2 * B, d.config.hidden_size, generator=g) for _ in range(2))
+    anc = torch.randn(2, d.config.transfer_rank, generator=g)
+    with torch.no_grad():
+        out, f, x = inject_flat(d.injections[last], a, anc, B, residual=b)
+        whole = a + b
+        out2, f2, x2 = inject_flat(d.injections[last], whole, anc, B)
+    assert torch.equal(x, whole) and x2 is whole and torch.equal(out, out2) and torch.equal(f, f2)
+    assert not torch.equal(out, x)  # the write changed the stream
+
+    grad_on = []
+    walk = core.greedy_transition_walk
+    monkeypatch.setattr(core, "greedy_transition_walk", lambda *a: grad_on.append(torch.is_grad_enabled()) or walk(*a))
+    model = SimpleNamespace(
+        dspine_state={"h_pre": x, "f": f},
+        inject_layers=d.config.inject_layers,
+        injections=d.injections,
+        norm_for_scores=d.norm,
+        transfer_codes=d.transfer_codes,
+        dspine=SimpleNamespace(top_k=d.config.top_k),
+    )
+    assert torch.is_grad_enabled()
+    toks = propose_from_state(model, d.norm(out).view(2, B, -1)[:, 1:], d.head)
+    assert grad_on == [False] and toks.shape == (2 * (B - 1),) and torch.is_grad_enabled()
 
 
 def test_round_timing_totals_and_split(tmp_path):

@@ -84,17 +84,29 @@ def split_weights(weights, inject_layers: list[int]):
     return mine, rest
 
 
-def inject_flat(inj: Injection, h: torch.Tensor, anchor_code: torch.Tensor, block_size: int):
-    """h (bs*B, d) full residual stream after a layer, anchor_code (bs, r) -> (h updated, f (bs*B, r))."""
+def inject_flat(
+    inj: Injection,
+    h: torch.Tensor,
+    anchor_code: torch.Tensor,
+    block_size: int,
+    residual: torch.Tensor | None = None,
+):
+    """h (bs*B, d) a layer's output, residual (bs*B, d) or None as SGLang's layers hand the stream over (the full
+    stream x = h + residual), anchor_code (bs, r) -> (x updated, f (bs*B, r), x before the write)."""
     bs = h.shape[0] // block_size
-    hb = h.view(bs, 1, block_size, -1)
+    sq = None
     if kernels.enabled(h):
-        from dspine.kernels.injection import fused_injection
+        from dspine.kernels.injection import add_sumsq, fused_injection, injection_variant
 
-        out, f = fused_injection(inj, hb, anchor_code[:, None])
+        if injection_variant(width=h.shape[-1]) == "gemm":  # the add and |x|² in one launch
+            x, sq = add_sumsq(h, residual)
+        else:
+            x = h if residual is None else h + residual
+        out, f = fused_injection(inj, x.view(bs, 1, block_size, -1), anchor_code[:, None], sumsq=sq)
     else:
-        out, f = inj(hb, anchor_code[:, None])
-    return out.reshape(h.shape), f.reshape(h.shape[0], -1)
+        x = h if residual is None else h + residual
+        out, f = inj(x.view(bs, 1, block_size, -1), anchor_code[:, None])
+    return out.reshape(h.shape), f.reshape(h.shape[0], -1), x
 
 
 def propose_block(
@@ -121,6 +133,7 @@ def vocab_rows(model, head: torch.Tensor) -> torch.Tensor:
     return head[: model.transfer_codes.shape[0]]
 
 
+@torch.no_grad()  # SGLang calls the sampler outside the model's no_grad; the fused kernels have no backward
 def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """slots (bs, B-1, d) normed draft hidden of slots 1..B-1; the rest from the DSpine model's forward
     (`model.dspine_state`: h_pre, f); head (V_padded, d) the target's lm_head -> tokens (bs*(B-1),)."""
@@ -157,6 +170,7 @@ class DSpineDraftSampler:
         self.out[: toks.shape[0]].copy_(toks)
 
 
+@torch.no_grad()
 def candidates(hidden: torch.Tensor, head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (N, d) normed draft states, head (V, d) -> top-K ids (N, K) and their logits (N, K), fp32: the
     candidate sets C_t and unconditioned scores of SGLang >= 0.5.23's `compute_candidates` contract."""
@@ -174,6 +188,7 @@ class DSpineSelector:
         self.model, self._sample_path = model, sample_path
         self.top_k = int(model.dspine.top_k)
 
+    @torch.no_grad()
     def build_lattice(
         self,
         *,

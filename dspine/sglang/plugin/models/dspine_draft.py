@@ -77,12 +77,11 @@ class DSpineDraftModel(DFlashDraftModel):
             inj = self.injections[str(i)] if str(i) in self.injections else None
             if inj is None:
                 continue
-            h, residual = h + residual, None  # the injection reads and writes the full residual stream
+            # the injection reads and writes the full residual stream (h + residual)
+            h, f, x = inject_flat(inj, h, anchor_code, B, residual)
+            residual = None
             if i == last:
-                self.dspine_state["h_pre"] = h
-            h, f = inject_flat(inj, h, anchor_code, B)
-            if i == last:
-                self.dspine_state["f"] = f
+                self.dspine_state["h_pre"], self.dspine_state["f"] = x, f
         h = self.norm(h) if residual is None else self.norm(h, residual)[0]
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=h)
 
