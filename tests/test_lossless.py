@@ -271,11 +271,21 @@ def test_logprobs_are_the_targets_own_distribution(tiny):
 
 
 def test_decode_forwards_give_the_models_own_logits_and_features(tiny):
-    """Target.forward applies the output head itself on decode-sized CPU fp32 forwards (Target._own_head):
+    """Target.forward applies the output head itself on decode-sized CPU fp32 forwards (Target._own_head) unless
+    its linears are packed (Target.packed):
     logits and layer features equal what the model's own forward returns, through a prefill and a decode
     step on the KV cache, with an attention mask and positions as batched decoding passes them."""
     target, _ = tiny
-    assert target._own_head
+    assert target._own_head and target.packed
+    for packed in (True, False):  # the head through oneDNN's packed linear, or as W @ h^T
+        target.packed = packed
+        try:
+            _decode_forwards_match(target)
+        finally:
+            target.packed = True
+
+
+def _decode_forwards_match(target):
     layers = [0, 2, 5]
     ids = torch.randint(0, target.info.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -291,3 +301,31 @@ def test_decode_forwards_give_the_models_own_logits_and_features(tiny):
         torch.testing.assert_close(logits, out.logits.float(), rtol=1e-5, atol=1e-5)
         want = torch.cat([out.hidden_states[i + 1] for i in layers], -1)
         torch.testing.assert_close(feats, want, rtol=0, atol=0)
+
+
+def test_packed_linears_are_row_invariant_and_follow_their_weights(tiny):
+    """A CPU fp32 target decodes through oneDNN's packed linears: a row's output is the same bits whether 1 or
+    several rows are computed beside it (a verify row equals a 1-row decode step there), a weight changed in
+    place is repacked, and anything autograd must see takes the plain path."""
+    from dspine.packing import pack_linears
+
+    target, _ = tiny
+    lin = target.model.get_decoder().layers[0].mlp.down_proj
+    assert target.packed and "_dspine_plain" in lin.__dict__  # routed through _packed_forward
+    x = torch.randn(9, lin.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        one = lin(x[:1])
+        for n in (2, 4, 6, 9):
+            assert torch.equal(lin(x[:n])[:1], one)
+        torch.testing.assert_close(one, x[:1] @ lin.weight.t(), rtol=1e-5, atol=1e-5)
+        saved = lin.weight.clone()
+        lin.weight.mul_(2)
+        try:
+            torch.testing.assert_close(lin(x[:1]), 2 * one, rtol=1e-5, atol=1e-5)
+        finally:
+            lin.weight.copy_(saved)
+        assert torch.equal(lin(x[:1]), one)
+    xg = x[:3].clone().requires_grad_(True)
+    lin(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, lin.weight.sum(0).expand(3, -1), rtol=1e-5, atol=1e-5)
+    assert pack_linears(target.model) == 0  # already routed: nothing wrapped twice
