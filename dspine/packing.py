@@ -38,13 +38,8 @@ def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, holder=None) -> torch.Tensor:
-    """F.linear(x, w, b): x (..., in), w (out, in) -> (..., out), packed where that applies. The packed copy is
-    kept for `holder` (the module, or the weight tensor itself) while it lives; never pickled or copied with it."""
-    if not _packable(x, w) or not packed_linears_available():
-        return F.linear(x, w, b)
-    holder = w if holder is None else holder
-    key = (w.data_ptr(), w._version, tuple(w.shape))
+def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, holder) -> torch.Tensor:
+    key = (w.data_ptr(), w._version)
     entry = _PACKED.get(id(holder))
     if entry is None or entry[0]() is not holder or entry[1] != key:
         hid = id(holder)
@@ -53,14 +48,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, hold
     return torch.ops.mkldnn._linear_pointwise(x, entry[2], b, "none", [], "")
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b): x (..., in), w (out, in) -> (..., out), packed where that applies. The packed copy is
+    kept for the weight tensor while it lives; never pickled or copied with it."""
+    if _packable(x, w) and packed_linears_available():
+        return _packed(x, w, b, w)
+    return F.linear(x, w, b)
+
+
 def _forward(mod: torch.nn.Linear, plain, x: torch.Tensor) -> torch.Tensor:
-    if not _packable(x, mod.weight):
-        return plain(x)
-    return linear(x, mod.weight, mod.bias, holder=mod)
+    # availability was settled when the module was routed (pack_linears); the packed copy is kept for the module
+    return _packed(x, mod.weight, mod.bias, mod) if _packable(x, mod.weight) else plain(x)
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Route the model's nn.Linear layers through `linear`; returns how many were routed (none twice)."""
+    """Route the model's nn.Linear layers through oneDNN where it is available; returns how many were routed
+    (none twice)."""
+    if not packed_linears_available():
+        return 0
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and "_dspine_plain" not in mod.__dict__:

@@ -311,7 +311,7 @@ def test_packed_linears_are_row_invariant_and_follow_their_weights(tiny):
 
     target, _ = tiny
     lin = target.model.get_decoder().layers[0].mlp.down_proj
-    assert target.packed and "_dspine_plain" in lin.__dict__  # routed through _packed_forward
+    assert target.packed and "_dspine_plain" in lin.__dict__  # routed through packing._forward
     x = torch.randn(9, lin.in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         one = lin(x[:1])

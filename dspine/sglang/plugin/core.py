@@ -93,19 +93,15 @@ def inject_flat(
 ):
     """h (bs*B, d) a layer's output, residual (bs*B, d) or None as SGLang's layers hand the stream over (the full
     stream x = h + residual), anchor_code (bs, r) -> (x updated, f (bs*B, r), x before the write)."""
-    bs = h.shape[0] // block_size
-    sq = None
-    if kernels.enabled(h):
+    bs, fused = h.shape[0] // block_size, kernels.enabled(h)
+    if fused:
         from dspine.kernels.injection import add_sumsq, fused_injection, injection_variant
-
-        if injection_variant(width=h.shape[-1]) == "gemm":  # the add and |x|² in one launch
-            x, sq = add_sumsq(h, residual)
-        else:
-            x = h if residual is None else h + residual
-        out, f = fused_injection(inj, x.view(bs, 1, block_size, -1), anchor_code[:, None], sumsq=sq)
+    if fused and injection_variant(width=h.shape[-1]) == "gemm":  # the add and |x|² in one launch
+        x, sq = add_sumsq(h, residual)
     else:
-        x = h if residual is None else h + residual
-        out, f = inj(x.view(bs, 1, block_size, -1), anchor_code[:, None])
+        x, sq = (h if residual is None else h + residual), None
+    xb = x.view(bs, 1, block_size, -1)
+    out, f = fused_injection(inj, xb, anchor_code[:, None], sumsq=sq) if fused else inj(xb, anchor_code[:, None])
     return out.reshape(h.shape), f.reshape(h.shape[0], -1), x
 
 
