@@ -39,6 +39,11 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--per-benchmark", type=int, default=10, help="first-turn prompts per benchmark")
     ap.add_argument("--group", type=int, default=4, help="servers started side by side")
+    ap.add_argument(
+        "--attention-backend",
+        default="triton",
+        help="SGLang's attention backend for every server (triton; fa3 needs sgl_kernel's flash_ops.abi3.so)",
+    )
     ap.add_argument("--tokenizer", help="folder with tokenizer.json (default: the built-in target's)")
     ap.add_argument("--work", default="/tmp/dspine-scale")
     ap.add_argument("--kernels", help="bench/kernels.py JSON at this width (injection, transition per round)")
@@ -66,6 +71,7 @@ def main() -> int:
         max_new_tokens=a.max_new_tokens,
         per_benchmark=a.per_benchmark,
         group=a.group,
+        attention_backend=a.attention_backend,
         tokenizer=a.tokenizer,
         work=a.work,
         out=a.out,

@@ -13,6 +13,12 @@
 #                                                      /tmp/scale/sglang_scale.json: a rerun skips what is measured)
 # The first call of 3.. installs the wheels into /tmp/site and writes the plugin's entry-point record. JSON, MD and
 # the servers' log tails come back in $OUT.
+# FA3 (--attention-backend fa3; the carried sgl_kernel lacks flash_ops.abi3.so, 1.1 GB): here
+#   bash bench/sglang_scale_gpu.sh fa3 MIB1 MIB2 ..  -> .carry/fa3p1 .. fa3pN: the .so zstd-compressed, split into
+#                                                      parts of those MiB (the rest in the last part, with the
+#                                                      zstandard wheel and the .so's sha256)
+# and there, each part carried once (beside sgl1/sgl2 or alone): mkdir -p /tmp/fa3 && cp .carry/fa3pK/* /tmp/fa3/
+# The first call of 3.. after all parts assembles the .so into /tmp/site/sgl_kernel.
 set -uo pipefail
 if [ "${1:-}" = tok ]; then
   tgt=$(python3 -c "from dspine.target import DEFAULT_TARGET, resolve_target_path; print(resolve_target_path(DEFAULT_TARGET))")
@@ -24,8 +30,50 @@ if [ "${1:-}" = tok ]; then
   ls .carry/tok
   exit 0
 fi
+if [ "${1:-}" = fa3 ]; then
+  shift
+  cache=${SGL_CACHE:-$HOME/.cache/device-carry-sglang}
+  w=$(mktemp -d)
+  unzip -q "$cache"/dl/sglang_kernel-0.4.5-*.whl sgl_kernel/flash_ops.abi3.so -d "$w"
+  sha256sum "$w"/sgl_kernel/flash_ops.abi3.so | cut -d' ' -f1 > "$w/flash_ops.sha256"
+  zstd -q -T0 -19 --long=27 -o "$w/fo.zst" "$w"/sgl_kernel/flash_ops.abi3.so
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d "$w" zstandard==0.25.0
+  rm -rf .carry/fa3p*
+  python3 -c "
+import os, sys
+w, sizes = sys.argv[1], [int(x) * 2**20 for x in sys.argv[2:]]
+data, k = open(os.path.join(w, 'fo.zst'), 'rb').read(), 0
+for i in range(len(sizes) + 1):
+    part = data[k : k + sizes[i]] if i < len(sizes) else data[k:]
+    k += len(part)
+    os.makedirs(f'.carry/fa3p{i + 1}')
+    open(f'.carry/fa3p{i + 1}/fo.zst.{i + 1:02d}', 'wb').write(part)
+" "$w" "$@"
+  last=$(ls -d .carry/fa3p* | sort -V | tail -1)
+  cp "$w"/flash_ops.sha256 "$w"/zstandard-*.whl "$last"/
+  rm -rf "$w"
+  du -sm .carry/fa3p*
+  exit 0
+fi
 if [ ! -f /tmp/site/.ok ]; then
   bash .carry/sgl3/install && touch /tmp/site/.ok || exit 1
+fi
+so=/tmp/site/sgl_kernel/flash_ops.abi3.so
+if [ -f /tmp/fa3/flash_ops.sha256 ] && [ ! -f $so ]; then
+  if command -v zstd > /dev/null; then
+    cat /tmp/fa3/fo.zst.* | zstd -q -d --long=27 -o $so.tmp
+  else
+    python3 -m pip install -q --no-index --no-deps --target /tmp/zst /tmp/fa3/zstandard-*.whl
+    cat /tmp/fa3/fo.zst.* | PYTHONPATH=/tmp/zst python3 -c "import sys, zstandard
+zstandard.ZstdDecompressor(max_window_size=2**27).copy_stream(sys.stdin.buffer, open('$so.tmp', 'wb'))"
+  fi
+  if [ "$(sha256sum $so.tmp | cut -d' ' -f1)" = "$(cat /tmp/fa3/flash_ops.sha256)" ]; then
+    mv $so.tmp $so && echo "FA3: flash_ops.abi3.so assembled in /tmp/site/sgl_kernel"
+  else
+    echo "flash_ops.abi3.so: parts missing or damaged (was the machine given back between calls?)" >&2
+    exit 3
+  fi
 fi
 D=/tmp/site/dspine_entry-0.1.dist-info
 mkdir -p $D /tmp/scale "$OUT"

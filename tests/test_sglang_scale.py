@@ -90,6 +90,8 @@ def test_shape_from_a_config_file_and_bad_shapes(tmp_path):
         ScaleConfig(taus=[0.5]).validate()
     with pytest.raises(ConfigError, match="profile_requests"):
         ScaleConfig(profile_requests=-1).validate()
+    with pytest.raises(ConfigError, match="attention_backend 'fa2'"):
+        ScaleConfig(attention_backend="fa2").validate()
 
 
 def test_projection_arithmetic():

@@ -70,6 +70,8 @@ SHAPE_KEYS = tuple(SHAPES["qwen3-8b"])
 PAPER_TAU = {"dspine": 4.82, "dflash": 3.77}
 # a smaller KV pool than bench.DEFAULT_FLAGS: 16 GB of weights per 8B server, several servers side by side
 SCALE_FLAGS = ("--load-format", "dummy", "--max-total-tokens", "32768")
+# triton runs from the carried wheels; fa3 (Hopper's default) needs sgl_kernel's flash_ops carried too
+ATTENTION_BACKENDS = ("triton", "fa3", "flashinfer")
 
 
 def shape_config(spec: str) -> tuple[str, dict]:
@@ -309,6 +311,7 @@ class ScaleConfig:
     top_k: int = 8
     group: int = 4  # servers started side by side
     flags: list[str] | None = None
+    attention_backend: str = "triton"  # SGLang's --attention-backend for target and drafters alike
     tokenizer: str | None = None  # a folder with tokenizer.json; default: the built-in target's
     work: str = "/tmp/dspine-scale"
     out: str | None = None
@@ -325,6 +328,8 @@ class ScaleConfig:
             raise ConfigError("concurrencies must include 1 (the round against the AR step is measured there)")
         if set(self.methods) - {"ar", "dflash", "dspine"} or "ar" not in self.methods:
             raise ConfigError(f"methods {self.methods}: a subset of ar, dflash, dspine that includes ar")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend {self.attention_backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
         if self.profile_requests < 0 or self.profile_tokens < 1:
             raise ConfigError("profile_requests must be >= 0 and profile_tokens >= 1")
         bad = [t for t in self.taus if not 1 <= t <= self.block]
@@ -374,7 +379,10 @@ def run_scale(cfg: ScaleConfig) -> dict:
         tok_dir = str(resolve_target_path(DEFAULT_TARGET))
     paths = write_shape(work / "shapes", cfg.shape, tok_dir, cfg.layers, cfg.block, cfg.top_k)
     prompts = _prompts(cfg, AutoTokenizer.from_pretrained(paths["target"]))
-    flags = _with(list(DEFAULT_FLAGS if cfg.flags is None else cfg.flags), SCALE_FLAGS)
+    flags = _with(
+        list(DEFAULT_FLAGS if cfg.flags is None else cfg.flags),
+        (*SCALE_FLAGS, "--attention-backend", cfg.attention_backend),
+    )
     out = Path(cfg.out) if cfg.out else work / "sglang_scale.json"
     whole = json.loads(out.read_text()) if out.is_file() else {"shapes": {}}
     settings = {
