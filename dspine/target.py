@@ -133,6 +133,51 @@ class TargetInfo:
     model_type: str
 
 
+_SDPA_GQA = "dspine_sdpa_gqa"
+
+
+def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention, except that grouped KV heads stay grouped for several query rows under a
+    mask: query (N, H, n, hd), key/value (N, Hkv, L, hd) -> (N, n, H, hd). transformers repeats the whole KV
+    cache H/Hkv times (a copy of every layer's cache per forward) for masked multi-row forwards off CUDA — a
+    verify of a few rows then costs far more than a decode step at long contexts; torch's SDPA takes the
+    groups itself (enable_gqa). One row, equal heads and anything unusual go to transformers' own."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len = query.shape[2]
+    if (
+        q_len == 1
+        or query.shape[1] == key.shape[1]
+        or any(kwargs.get(k) is not None for k in ("position_bias", "softcap"))
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    causal = (
+        q_len > 1
+        and attention_mask is None
+        and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    )
+    if causal and key.shape[2] > q_len:  # as transformers: an empty static cache's prefill
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _grouped_kv_inside_sdpa(model) -> None:
+    """A CPU model on transformers' SDPA attention with grouped KV heads -> `_sdpa_gqa` (masks as for SDPA)."""
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if cfg._attn_implementation != "sdpa" or heads == kv:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_SDPA_GQA, _sdpa_gqa)
+    AttentionMaskInterface.register(_SDPA_GQA, sdpa_mask)
+    model.set_attn_implementation(_SDPA_GQA)
+
+
 class Target:
     """A causal LM with a KV cache, its tokenizer, and access to hidden states of chosen layers."""
 
@@ -144,6 +189,8 @@ class Target:
         self.packed = self.device.type == "cpu" and self.dtype == torch.float32 and packed_linears_available()
         if self.packed:
             pack_linears(self.model)
+        if self.device.type == "cpu":
+            _grouped_kv_inside_sdpa(self.model)
         self.tokenizer = tokenizer
         self.name = name
         cfg = model.config

@@ -329,3 +329,31 @@ def test_packed_linears_are_row_invariant_and_follow_their_weights(tiny):
     lin(xg).sum().backward()
     torch.testing.assert_close(xg.grad, lin.weight.sum(0).expand(3, -1), rtol=1e-5, atol=1e-5)
     assert pack_linears(target.model) == 0  # already routed: nothing wrapped twice
+
+
+def test_multi_row_forwards_keep_kv_head_groups(tiny, monkeypatch):
+    """A CPU target with grouped KV heads attends through target._sdpa_gqa: a masked multi-row forward on a
+    cache (a verify) never repeats the cache once per head group (transformers' repeat_kv copy, which made a
+    verify at long contexts cost far more than a decode step), with the logits of transformers' own SDPA."""
+    import transformers.integrations.sdpa_attention as sd
+
+    target, _ = tiny
+    assert target.model.config._attn_implementation == "dspine_sdpa_gqa"
+    repeats, real = [], sd.repeat_kv
+    monkeypatch.setattr(sd, "repeat_kv", lambda *a: repeats.append(a[0].shape) or real(*a))
+    ids = torch.randint(target.info.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+
+    def verify_logits():
+        cache = target.new_cache()
+        target.forward(ids[:, :24], cache)
+        return target.forward(ids[:, 24:], cache)[0]  # 6 rows on a 24-position cache: a causal mask
+
+    got = verify_logits()
+    assert not repeats
+    target.model.set_attn_implementation("sdpa")
+    try:
+        ref = verify_logits()
+    finally:
+        target.model.set_attn_implementation("dspine_sdpa_gqa")
+    assert repeats  # transformers' own path copies the cache per group here
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
