@@ -165,10 +165,11 @@ def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 
 
 def _grouped_kv_inside_sdpa(model) -> None:
-    """A CPU model on transformers' SDPA attention with grouped KV heads -> `_sdpa_gqa` (masks as for SDPA)."""
+    """A CPU model on transformers' SDPA attention with grouped KV heads -> `_sdpa_gqa` (masks as for SDPA);
+    DSPINE_CPU_GQA=0 keeps transformers' own."""
     cfg = model.config
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if cfg._attn_implementation != "sdpa" or heads == kv:
+    if cfg._attn_implementation != "sdpa" or heads == kv or os.environ.get("DSPINE_CPU_GQA", "1") == "0":
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

@@ -133,7 +133,7 @@ def test_analysis_and_summary_section():
                 },
             }
     var["dspine@9"] = {"method": "dspine", "forced_tau": 9.0, "error": "RuntimeError: SGLang did not start"}
-    doc = {"settings": {"concurrencies": [1, 4], "flags": ["--load-format", "dummy"]}, "variants": var}
+    doc = {"settings": {"concurrencies": [1, 4], "flags": ["--load-format", "dummy", "--attention-backend", "fa3"]}, "variants": var}
     kernels = {"injection_ms": 0.1, "injection_variant": "split", "transition_ms": 0.2}
     doc.update(analyse(doc, {"dspine": 2.0, "dflash": 1.77}, kernels))
     r3 = doc["dspine_over_dflash"]["3"]
@@ -143,6 +143,7 @@ def test_analysis_and_summary_section():
     assert doc["projection"]["measured"]["dspine"]["tau"] == 2.0
     sec = scale_section({"shapes": {"qwen3-8b": doc}})
     assert sec["shape"] == "qwen3-8b" and sec["injection_ms"] == 0.1 and sec["transition_ms"] == 0.2
+    assert sec["attention_backend"] == "fa3"
     assert sec["round_over_ar_step_c1"]["dspine"] == pytest.approx(11.7 / 8)
     assert sec["dspine_vs_ar_c1_tau4_8"] == pytest.approx(1000 * 4.8 / (12.6 * 125))
     assert sec["dspine_round_over_dflash"]["4.8"]["4"] == pytest.approx(14.6 / 14.4)

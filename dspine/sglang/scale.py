@@ -560,6 +560,7 @@ def scale_section(whole: dict) -> dict:
         ratio = doc.get("dspine_over_dflash", {})
         table = doc.get("table", {})
         k = doc.get("kernels_at_shape") or {}
+        flags = doc.get("settings", {}).get("flags") or []
         at = lambda n, c, key: table.get(n, {}).get(c, {}).get(key)
         return {
             "dspine_round_over_dflash": {t: {c: r["gpu_round"] for c, r in by.items()} for t, by in ratio.items()},
@@ -579,7 +580,10 @@ def scale_section(whole: dict) -> dict:
             },
             "errors": {n: v["error"] for n, v in doc.get("variants", {}).items() if "error" in v},
             **{k: doc.get(k) for k in ("git_sha", "command", "hardware", "sglang_version")},
-            "flags": doc.get("settings", {}).get("flags"),
+            "flags": flags,
+            "attention_backend": flags[flags.index("--attention-backend") + 1]
+            if "--attention-backend" in flags
+            else None,
         }
 
     shapes = whole.get("shapes", {})
