@@ -133,7 +133,10 @@ def test_analysis_and_summary_section():
                 },
             }
     var["dspine@9"] = {"method": "dspine", "forced_tau": 9.0, "error": "RuntimeError: SGLang did not start"}
-    doc = {"settings": {"concurrencies": [1, 4], "flags": ["--load-format", "dummy", "--attention-backend", "fa3"]}, "variants": var}
+    doc = {
+        "settings": {"concurrencies": [1, 4], "flags": ["--load-format", "dummy", "--attention-backend", "fa3"]},
+        "variants": var,
+    }
     kernels = {"injection_ms": 0.1, "injection_variant": "split", "transition_ms": 0.2}
     doc.update(analyse(doc, {"dspine": 2.0, "dflash": 1.77}, kernels))
     r3 = doc["dspine_over_dflash"]["3"]
