@@ -50,13 +50,17 @@ def main() -> None:
                     times.setdefault((name, n), []).append((time.perf_counter() - t0) * 1e3)
                     tgt.crop_cache(cache, ctx)
         tgt.model.set_attn_implementation(_SDPA_GQA)
+        ms = {(k, n): statistics.median(v) for (k, n), v in times.items()}
+        step = min(a.rows)
         for n in a.rows:
-            ms = {name: statistics.median(times[(name, n)]) for name in variants}
-            cells.append({"context": ctx, "rows": n, **{f"{k}_ms": v for k, v in ms.items()}})
-        one = {c["rows"]: c for c in cells if c["context"] == ctx}[min(a.rows)]
-        for c in cells:
-            if c["context"] == ctx:
-                c.update({f"{k}_over_step": c[f"{k}_ms"] / one[f"{k}_ms"] for k in variants})
+            cells.append(
+                {
+                    "context": ctx,
+                    "rows": n,
+                    **{f"{k}_ms": ms[k, n] for k in variants},
+                    **{f"{k}_over_step": ms[k, n] / ms[k, step] for k in variants},
+                }
+            )
     doc = {"target": DEFAULT_TARGET, "threads": torch.get_num_threads(), "cells": cells, **provenance()}
     out = Path(a.out)
     atomic_write_text(out, json.dumps(doc, indent=1))

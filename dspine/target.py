@@ -151,11 +151,7 @@ def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         or any(kwargs.get(k) is not None for k in ("position_bias", "softcap"))
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    causal = (
-        q_len > 1
-        and attention_mask is None
-        and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    )
+    causal = attention_mask is None and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
     if causal and key.shape[2] > q_len:  # as transformers: an empty static cache's prefill
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -171,12 +167,17 @@ def _grouped_kv_inside_sdpa(model) -> None:
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     if cfg._attn_implementation != "sdpa" or heads == kv or os.environ.get("DSPINE_CPU_GQA", "1") == "0":
         return
+    _register_sdpa_gqa()
+    model.set_attn_implementation(_SDPA_GQA)
+
+
+@functools.cache
+def _register_sdpa_gqa() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(_SDPA_GQA, _sdpa_gqa)
     AttentionMaskInterface.register(_SDPA_GQA, sdpa_mask)
-    model.set_attn_implementation(_SDPA_GQA)
 
 
 class Target:
