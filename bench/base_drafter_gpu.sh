@@ -17,8 +17,14 @@
 #   bash bench/base_drafter_gpu.sh more S          resume training until S seconds after the call began
 #   bash bench/base_drafter_gpu.sh eval            the 7-benchmark τ table (T = 0 and 1, DSpine vs DFlash) to $OUT,
 #                                                  the DSpine drafter in the shipped format in 15 MB pieces
-#   bash bench/base_drafter_gpu.sh back            the DFlash twin (shipped format) and the packed data in 15 MB
+#   bash bench/base_drafter_gpu.sh back dflash     the DFlash twin (shipped format) and the packed data in 15 MB
 #                                                  pieces, for the next run's `stage` (the lockstep continues)
+#   bash bench/base_drafter_gpu.sh back dspine     the DSpine drafter likewise (a run that skips `eval`)
+#   `back` ships each method's best checkpoint (by held-out τ_sim), WHICH=last the pair where training stopped.
+# A cosine across sessions: BUDGET=S (the whole schedule's training seconds) for `start`; this session trains part
+# of it and `back` (WHICH=last) brings the pair home; the next session stages it and starts with the same BUDGET
+# and OFFSET=the seconds already trained (train_report.json's last elapsed_s): the schedule continues there.
+# PROFILE=1 with BS=N: `start` profiles N's step (bench/train_step.py --profile) instead of probing sizes.
 # A continued run (gpu3's lockstep pair and data, kept in .carry/base1 and .carry/base2 of the development checkout):
 #   1 carry .carry/m1 (as above); 2 carry .carry/base1: `stage .carry/base1`; 3 carry .carry/base2: `stage
 #   .carry/base2`; then start (no regeneration left), more, eval, back as above.
@@ -29,12 +35,16 @@ t0=$(date +%s)
 export PYTHONPATH=/tmp/site:$PWD
 W=/tmp/base
 mkdir -p $W
+# each method's drafter in the shipped format (bf16, no derived buffers), once: WHICH=best (default) or last
+ship() { [ -d $W/ship ] || python -c "from dspine.train.recipe import RecipeConfig as R, ship_drafters as s
+s(R.base_drafter(), '$W', '$W/ship', which='${WHICH:-best}')"; }
 left() { echo $(( $1 - ($(date +%s) - t0) )); }
 warm() { [ -f $W/warm/dspine/model.safetensors ] && [ -f $W/warm/dflash/model.safetensors ] && echo warm_from=$W/warm || true; }
 # what `start` settles (budget, batch size, a warm start's peak LR) is kept in $W so that `more` resumes alike
 ovr() { echo target=/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf regen_dtype=bfloat16 \
   train.time_budget_s=$(cat $W/budget_s 2>/dev/null || echo 1000) train.batch_size=$(cat $W/batch_size 2>/dev/null || echo 16) \
-  $([ -f $W/lr ] && echo train.lr=$(cat $W/lr) || true); }
+  $([ -f $W/lr ] && echo train.lr=$(cat $W/lr) || true) \
+  $([ -f $W/offset ] && echo train.schedule_offset_s=$(cat $W/offset) || true); }
 common() { echo --base --work $W --no-progress $(ovr); }
 case "$1" in
 stage)
@@ -49,7 +59,13 @@ start)
   timeout "$(left "$2")" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
   # written beside, then renamed: ovr() reads batch_size, which a redirection would empty before python starts
   # BS=N skips the probe (a continued run on the same GPU kind: the size the last probe picked)
-  if [ -n "${BS:-}" ]; then echo $BS > $W/bs.new; else
+  if [ -n "${BS:-}" ]; then
+    echo $BS > $W/bs.new
+    if [ -n "${PROFILE:-}" ]; then
+      python bench/train_step.py --work $W --batches $BS --steps 4 --warmup 2 --profile --out $OUT/train_step.json $(ovr) \
+        2>&1 >/dev/null | tail -n 32 || true
+    fi
+  else
     (python bench/train_step.py --work $W --pick --profile --out $OUT/train_step.json $(ovr) || echo 16) | tail -n 1 > $W/bs.new
   fi
   mv $W/bs.new $W/batch_size
@@ -57,7 +73,8 @@ start)
   if [ -n "$(warm)" ]; then echo ${LR:-5e-4} > $W/lr; fi
   echo "batch size: $(cat $W/batch_size); $(warm) $(ovr | grep -o 'train.lr=[^ ]*' || true)"
   s=$(left $(($2 - 45)))  # the target's load and the checkpoint writes
-  echo $(( (s > 60 ? s : 0) + ${3:-450} )) > $W/budget_s
+  echo ${BUDGET:-$(( (s > 60 ? s : 0) + ${3:-450} ))} > $W/budget_s
+  if [ -n "${OFFSET:-}" ]; then echo $OFFSET > $W/offset; fi
   echo "training budget: $(cat $W/budget_s) s"
   if [ "$s" -gt 60 ]; then python bench/recipe.py --stage train $(common) $(warm) train.stop_after_s=$s | tail -c 2500; fi ;;
 more)
@@ -65,18 +82,27 @@ more)
   python bench/recipe.py --stage train $r $(common) train.stop_after_s=$(left $(($2 - 45))) | tail -c 2500 ;;
 eval)
   python bench/recipe.py --stage eval $(common) --out $OUT/acceptance.json | tail -c 3000
-  python -c "from dspine.train.recipe import RecipeConfig as R, ship_drafters as s; s(R.base_drafter(), '$W', '$W/ship')"
+  ship
   cp $W/train_report.json $OUT/
   split -b 15000000 -d $W/ship/dspine/model.safetensors $OUT/dspine.part
   cp $W/ship/dspine/config.json $OUT/dspine_config.json ;;
 back)
-  rm -rf $W/pack
-  sets=$(cd $W && ls -d data data_*)  # data, data_t1, and the added pools' data_added*
-  for f in $sets; do
-    python -c "from dspine.train.data import pack_dataset as p; p('$W/$f', '$W/pack/$f')"
-  done
-  tar c -C $W/pack $sets | split -b 15000000 -d - $OUT/data.tar.
-  split -b 15000000 -d $W/ship/dflash/model.safetensors $OUT/dflash.part
-  cp $W/ship/dflash/config.json $OUT/dflash_config.json ;;
+  ship
+  case "${2:-dflash}" in
+  dflash)
+    rm -rf $W/pack
+    sets=$(cd $W && ls -d data data_*)  # data, data_t1, and the added pools' data_added*
+    for f in $sets; do
+      python -c "from dspine.train.data import pack_dataset as p; p('$W/$f', '$W/pack/$f')"
+    done
+    tar c -C $W/pack $sets | split -b 15000000 -d - $OUT/data.tar.
+    split -b 15000000 -d $W/ship/dflash/model.safetensors $OUT/dflash.part
+    cp $W/ship/dflash/config.json $OUT/dflash_config.json ;;
+  dspine)
+    cp $W/train_report.json $OUT/ 2>/dev/null || cp $W/dspine/last/config.json $OUT/last_config.json
+    split -b 15000000 -d $W/ship/dspine/model.safetensors $OUT/dspine.part
+    cp $W/ship/dspine/config.json $OUT/dspine_config.json ;;
+  *) echo "back: dflash or dspine, not $2" >&2; exit 2 ;;
+  esac ;;
 esac
 ls -la $OUT

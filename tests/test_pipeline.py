@@ -48,6 +48,32 @@ def test_regen_matches_engine_greedy(regen_dir, smollm2):
     assert res.token_ids == row["response_ids"][: len(res.token_ids)]
 
 
+def test_regen_halves_a_batch_out_of_memory(tmp_path, smollm2, monkeypatch):
+    """A batch the GPU cannot hold is answered in halves (down to one row), not lost. The out-of-memory is
+    injected: a CPU cannot be made to run out of memory at a chosen batch size."""
+    import pyarrow.parquet as pq
+
+    items = [("a", "Name a fruit."), ("c", "What is 2 + 2?"), ("d", "Say hello in French.")]
+    one = regenerate_dataset(smollm2, items, tmp_path / "one", max_new_tokens=6, batch_size=1, progress=False)
+    real, rows = smollm2.model.generate, []
+
+    def generate(*args, input_ids, **kw):
+        rows.append(len(input_ids))
+        if len(input_ids) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(*args, input_ids=input_ids, **kw)
+
+    monkeypatch.setattr(smollm2.model, "generate", generate)
+    rep = regenerate_dataset(smollm2, items, tmp_path / "oom", max_new_tokens=6, batch_size=3, progress=False)
+    assert (rep.ok, rep.error) == (3, 0) == (one.ok, one.error)
+    assert rows == [3, 1, 2, 1, 1]
+    answers = [
+        {r["id"]: r["response_ids"] for r in pq.read_table(sorted((tmp_path / d).glob("part-*"))[0]).to_pylist()}
+        for d in ("one", "oom")
+    ]
+    assert answers[0] == answers[1]
+
+
 def test_packed_data_trains_and_resumes_like_the_original(regen_dir, tmp_path, smollm2):
     """The compact copy a GPU run carries home: same samples in the same order, every prompt counted as
     answered, parts within the size asked, refusing to pack over other files."""

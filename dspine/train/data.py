@@ -80,6 +80,24 @@ def _generate_batch(
     return out
 
 
+def _generate_fitting(
+    target: Target, batch: list[list[int]], max_new_tokens: int, temperature: float, seed: int
+) -> list[tuple[list[int], str]]:
+    """`_generate_batch`, halving the batch on out-of-memory (the longest prompts of a large batch) instead of
+    losing it; a single row that does not fit raises."""
+    try:
+        return _generate_batch(target, batch, max_new_tokens, temperature, seed)
+    except torch.OutOfMemoryError:
+        if len(batch) == 1:
+            raise
+    if target.device.type == "cuda":
+        torch.cuda.empty_cache()
+    h = len(batch) // 2
+    return _generate_fitting(target, batch[:h], max_new_tokens, temperature, seed) + _generate_fitting(
+        target, batch[h:], max_new_tokens, temperature, seed + h
+    )
+
+
 def _writable(out: Path) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -155,8 +173,8 @@ def regenerate_dataset(
     for b in range(0, len(encoded), batch_size):
         chunk = encoded[b : b + batch_size]
         try:
-            res = _generate_batch(target, [c[2] for c in chunk], max_new_tokens, temperature, seed + b)
-        except (RuntimeError, ValueError) as e:  # e.g. out of memory: record, carry on
+            res = _generate_fitting(target, [c[2] for c in chunk], max_new_tokens, temperature, seed + b)
+        except (RuntimeError, ValueError) as e:  # e.g. out of memory at a single row: record, carry on
             errors.extend({"id": i, "error": f"{type(e).__name__}: {e}"} for i, _, _ in chunk)
             bar.update(len(chunk))
             continue

@@ -51,6 +51,9 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end (and at each new best)
     time_budget_s: float = 0.0  # > 0: training time in all (across resumes); the cosine follows it; 0: off
     stop_after_s: float = 0.0  # > 0: this invocation stops (saving out/last) after so long; resume continues
+    # a warm start that continues an earlier run's cosine (its weights, not its optimizer): the training seconds
+    # that run spent of the same time_budget_s, so the schedule picks up where it stopped (after a new warm-up)
+    schedule_offset_s: float = 0.0
 
     def validate(self) -> None:
         for k in ("steps", "batch_size", "anchors_per_seq", "max_len"):
@@ -60,6 +63,11 @@ class TrainConfig:
             raise ConfigError("train.time_budget_s and train.stop_after_s must be >= 0 (0 turns them off)")
         if self.lr <= 0 or self.gamma <= 0:
             raise ConfigError("train.lr and train.gamma must be positive")
+        if self.schedule_offset_s and not 0 < self.schedule_offset_s < self.time_budget_s:
+            raise ConfigError(
+                f"train.schedule_offset_s ({self.schedule_offset_s:g}) continues a time budget's cosine: it must be "
+                f"> 0 and below train.time_budget_s ({self.time_budget_s:g})"
+            )
 
 
 def init_distributed(device: str) -> tuple[int, int]:
@@ -312,7 +320,8 @@ class Trainer:
         self.history: dict[str, list[dict]] = {n: [] for n in self.names}
         self.best = dict.fromkeys(self.names, float("-inf"))
         self.order: list[int] = []
-        self.start, self.spent = 0, 0.0  # spent: training time of earlier invocations (budgets are cumulative)
+        # spent: training time of earlier invocations (budgets are cumulative) or of the run a warm start continues
+        self.start, self.spent = 0, cfg.schedule_offset_s
         self.outs = {n: Path(o) for n, o in outs.items()} if outs else None
         self.extra = {**(extra or {}), "train": asdict(cfg)}
         self.amp = dict(device_type="cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda")

@@ -123,7 +123,7 @@ class RecipeConfig:
             sampled_workload=pools,
             added_workload="mbpp_fn+mbpp_io+swe_issues",  # from gpu5 on: code asked as HumanEval / LCB ask, issues
             sampled_num_prompts=3000,
-            regen_batch=768,
+            regen_batch=1536,  # halved where a batch does not fit (_generate_fitting)
             heldout=128,
             methods=["dspine", "dflash"],
             ablations={},
@@ -306,14 +306,17 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
     return doc
 
 
-def ship_drafters(cfg: RecipeConfig, work: str | Path, dest: str | Path) -> dict[str, Path]:
-    """Each method's best drafter as it ships (dest/<name>/): bf16 weights without what the target
-    recomputes (checkpoint.DERIVED), its training record in config.json's dspine_training."""
+def ship_drafters(cfg: RecipeConfig, work: str | Path, dest: str | Path, which: str = "best") -> dict[str, Path]:
+    """Each method's best drafter (`which="last"`: where training stopped — the lockstep pair at one step, for
+    a run whose cosine the next warm start continues) as it ships (dest/<name>/): bf16 weights without what the
+    target recomputes (checkpoint.DERIVED), its training record in config.json's dspine_training."""
     from dspine.checkpoint import load_drafter, save_drafter
 
+    if which not in ("best", "last"):
+        raise ValueError(f"ship_drafters: which={which!r}; 'best' or 'last'")
     work, out = Path(work), {}
     for m in cfg.methods:
-        src = work / m / "best"
+        src = work / m / which
         record = json.loads((src / "config.json").read_text()).get("dspine_training")
         out[m] = save_drafter(load_drafter(src), Path(dest) / m, extra=record, dtype=torch.bfloat16, derived=False)
     return out
