@@ -206,10 +206,12 @@ def test_a_warm_start_continues_the_cosine_where_the_earlier_run_stopped(tiny):
     target, pairs = tiny
     kw = dict(steps=50, batch_size=4, anchors_per_seq=6, warmup_steps=1, lr=1e-3, min_lr_ratio=0.1, eval_every=10**9)
     d = lambda: DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=1, block_size=8)
-    hist = train_drafter(d(), target, pairs, TrainConfig(**kw, time_budget_s=1e4, schedule_offset_s=5e3), progress=False)
+    cfg = TrainConfig(**kw, time_budget_s=1e4, schedule_offset_s=5e3)
+    hist = train_drafter(d(), target, pairs, cfg, progress=False)
     assert hist[1]["elapsed_s"] >= 5e3
     assert hist[1]["lr"] == pytest.approx(5.5e-4, rel=1e-3)  # half-way down the cosine, not at its peak
-    ended = train_drafter(d(), target, pairs, TrainConfig(**kw, time_budget_s=10, schedule_offset_s=9.999), progress=False)
+    cfg = TrainConfig(**kw, time_budget_s=10, schedule_offset_s=9.999)
+    ended = train_drafter(d(), target, pairs, cfg, progress=False)
     assert len(ended) == 1  # nothing left of the budget after one step
     for bad in ({"schedule_offset_s": 5.0}, {"schedule_offset_s": 60.0, "time_budget_s": 60.0}):
         with pytest.raises(ConfigError, match="schedule_offset_s"):
