@@ -59,6 +59,37 @@ def time_batch(target, samples, cfg: RecipeConfig, batch_size: int, steps: int, 
     }
 
 
+# --compare: the step's variants side by side (env switches read per call, the attention set on the target)
+VARIANTS = {
+    "reference": ({"DSPINE_FUSED_HEAD_CE": "0"}, "sdpa"),
+    "fused head CE": ({"DSPINE_FUSED_HEAD_CE": "1"}, "sdpa"),
+    "fused head CE + grouped-KV SDPA": ({"DSPINE_FUSED_HEAD_CE": "1"}, "dspine_sdpa_gqa"),
+}
+
+
+def compare(target, samples, cfg: RecipeConfig, batch_size: int, steps: int, warmup: int) -> list[dict]:
+    """One batch size through each of VARIANTS, in one process (one target load)."""
+    import os
+
+    own = target.model.config._attn_implementation
+    rows = []
+    try:
+        for name, (env, attn) in VARIANTS.items():
+            if attn == "dspine_sdpa_gqa" and own != attn:
+                continue  # this target does not attend through dspine's SDPA (CPU bf16, equal heads)
+            os.environ.update(env)
+            target.model.set_attn_implementation(attn)
+            rows.append({"variant": name, **time_batch(target, samples, cfg, batch_size, steps, warmup)})
+            if target.device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        target.model.set_attn_implementation(own)
+        os.environ.pop("DSPINE_FUSED_HEAD_CE", None)
+    for r in rows:
+        r["vs_reference"] = rows[0]["s_per_step"] / r["s_per_step"]
+    return rows
+
+
 def profile(target, samples, cfg: RecipeConfig, batch_size: int, steps: int = 3) -> str:
     """torch.profiler over `steps` steps after warm-up -> the ops by total device time, and the wall time
     beside the device's busy time (a step whose device time is far below its wall time waits on the host)."""
@@ -107,6 +138,7 @@ def main() -> int:
     ap.add_argument("--pick", action="store_true", help="print only the chosen batch size (stdout's last line)")
     ap.add_argument("--out", help="JSON of the rows")
     ap.add_argument("--profile", action="store_true", help="also profile the first batch size (stderr)")
+    ap.add_argument("--compare", action="store_true", help="time the step's variants at the first batch size instead")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     cfg = from_dict(RecipeConfig, apply_overrides(asdict(RecipeConfig.base_drafter()), a.overrides), "recipe")
@@ -114,6 +146,15 @@ def main() -> int:
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     samples, added = training_samples(cfg, a.work)
     samples, _ = split_heldout(samples, cfg.heldout, cfg.train.seed, cfg.train.max_len, added)
+    if a.compare:
+        rows = compare(target, samples, cfg, batches[0], a.steps, a.warmup)
+        table = [[r["variant"], f"{r['s_per_step']:.3f}", f"{r['seqs_per_s']:.1f}", f"{r['vs_reference']:.2f}",
+                  f"{r['peak_gib']:.1f}"] for r in rows]  # fmt: skip
+        print(md_table(["variant", "s/step", "sequences/s", "× reference speed", "peak GiB"], table))
+        if a.out:
+            doc = {"rows": rows, "batch_size": batches[0], "drafters": list(cfg.variants()), **provenance()}
+            atomic_write_text(a.out, json.dumps(doc, indent=1))
+        return 0
     rows = []
     for b in batches:
         try:

@@ -137,32 +137,46 @@ _SDPA_GQA = "dspine_sdpa_gqa"
 
 
 def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' SDPA attention, except that grouped KV heads stay grouped for several query rows under a
-    mask: query (N, H, n, hd), key/value (N, Hkv, L, hd) -> (N, n, H, hd). transformers repeats the whole KV
-    cache H/Hkv times (a copy of every layer's cache per forward) for masked multi-row forwards off CUDA — a
-    verify of a few rows then costs far more than a decode step at long contexts; torch's SDPA takes the
-    groups itself (enable_gqa). One row, equal heads and anything unusual go to transformers' own."""
+    """transformers' SDPA attention with grouped KV heads handed to the kernel that can run them: query (N, H, n,
+    hd), key/value (N, Hkv, L, hd) -> (N, n, H, hd).
+    - Off CUDA, several query rows under a mask: transformers repeats the whole KV cache H/Hkv times (a copy of
+      every layer's cache per forward — a verify of a few rows then costs far more than a decode step at long
+      contexts); torch's SDPA takes the groups itself (enable_gqa).
+    - fp32 on CUDA: transformers passes the groups (enable_gqa) when there is no mask, which only flash (no
+      fp32) and math attention accept — math materializes every (n, L) score matrix; the heads are repeated
+      here so that the memory-efficient kernel runs (training's teacher-forced feature forwards).
+    One row off CUDA, equal heads and anything unusual go to transformers' own."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    q_len = query.shape[2]
+    q_len, groups = query.shape[2], query.shape[1] // key.shape[1]
+    cuda32 = query.is_cuda and query.dtype == torch.float32
     if (
-        q_len == 1
-        or query.shape[1] == key.shape[1]
+        (q_len == 1 and not cuda32)
+        or groups == 1
         or any(kwargs.get(k) is not None for k in ("position_bias", "softcap"))
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     causal = attention_mask is None and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
     if causal and key.shape[2] > q_len:  # as transformers: an empty static cache's prefill
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+    if cuda32:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=True
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=causal and q_len > 1,
+        enable_gqa=not cuda32,
     )
     return out.transpose(1, 2).contiguous(), None
 
 
 def _grouped_kv_inside_sdpa(model) -> None:
-    """A CPU model on transformers' SDPA attention with grouped KV heads -> `_sdpa_gqa` (masks as for SDPA);
-    DSPINE_CPU_GQA=0 keeps transformers' own."""
+    """A CPU model, or an fp32 one on CUDA, on transformers' SDPA attention with grouped KV heads -> `_sdpa_gqa`
+    (masks as for SDPA); DSPINE_CPU_GQA=0 keeps transformers' own."""
     cfg = model.config
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     if cfg._attn_implementation != "sdpa" or heads == kv or os.environ.get("DSPINE_CPU_GQA", "1") == "0":
@@ -191,7 +205,7 @@ class Target:
         self.packed = self.device.type == "cpu" and self.dtype == torch.float32 and packed_linears_available()
         if self.packed:
             pack_linears(self.model)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or (self.device.type == "cuda" and self.dtype == torch.float32):
             _grouped_kv_inside_sdpa(self.model)
         self.tokenizer = tokenizer
         self.name = name

@@ -357,3 +357,33 @@ def test_multi_row_forwards_keep_kv_head_groups(tiny, monkeypatch):
         target.model.set_attn_implementation("dspine_sdpa_gqa")
     assert repeats  # transformers' own path copies the cache per group here
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_fp32_cuda_attention_avoids_the_math_kernel():
+    """An fp32 CUDA target with grouped KV heads repeats the heads for SDPA's memory-efficient kernel (transformers
+    hands the groups to SDPA, which in fp32 only the math kernel takes): the teacher-forced features and a cached
+    decode equal transformers' own, and the math kernel is off for them."""
+    from conftest import tiny_target
+
+    from dspine.target import Target
+
+    target = tiny_target("llama")
+    target = Target(target.model.to("cuda"), target.tokenizer, name="tiny-cuda")
+    assert target.model.config._attn_implementation == "dspine_sdpa_gqa"
+    ids = torch.randint(target.info.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def run():
+        feats = target.features(ids, [0, 1])
+        cache = target.new_cache()
+        target.forward(ids[:, :39], cache)
+        return feats, target.forward(ids[:, 39:], cache)[0]
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        got = run()
+    target.model.set_attn_implementation("sdpa")
+    ref = run()
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

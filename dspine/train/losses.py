@@ -11,6 +11,7 @@ the frozen target's teacher-forced features come from one `FeatureSource` forwar
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,6 +65,87 @@ def make_batch(
     return Batch(ids.to(device), lab.to(device), anchors.to(device))
 
 
+@dataclass
+class HeadCE:
+    loss: torch.Tensor  # () Σ_r w_r · CE_r, differentiable in x
+    argmax: torch.Tensor  # (R,) each row's full-vocabulary pick
+    topk: torch.Tensor | None  # (R, K) each row's top-K token ids, when asked
+    walk: torch.Tensor | None  # (R,) the best-scoring of each row's given candidates, when given
+
+
+class _HeadCE(torch.autograd.Function):
+    """Chunks of rows: logits, log-sum-exp, the weighted CE, the picks and — when x needs one — the gradient
+    d loss / d x, computed at once, so that no (R, V) logits (nor their fp32 copies, softmax and gradient) ever
+    exist whole; backward only scales the stored gradient."""
+
+    @staticmethod
+    def forward(ctx, x, W, y, w, topk: int, cand, chunk: int, need_grad: bool):
+        R = x.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        am = torch.empty(R, dtype=torch.long, device=x.device)
+        ti = torch.empty(R, topk, dtype=torch.long, device=x.device)
+        wk = torch.empty(R if cand.numel() else 0, dtype=torch.long, device=x.device)
+        grad = torch.empty_like(x) if need_grad else x.new_empty(0)
+        for s in range(0, R, chunk):
+            e = min(R, s + chunk)
+            logits = (x[s:e] @ W.t()).float()  # (c, V); under autocast the matmul runs in its dtype
+            lse = torch.logsumexp(logits, -1)
+            loss += (w[s:e] * (lse - logits.gather(1, y[s:e, None])[:, 0])).sum()
+            am[s:e] = logits.argmax(-1)
+            if topk:
+                ti[s:e] = logits.topk(topk, dim=-1).indices
+            if cand.numel():
+                c = cand[s:e]
+                wk[s:e] = c.gather(1, logits.gather(1, c).argmax(-1, keepdim=True))[:, 0]
+            if need_grad:  # softmax - onehot, weighted: the gradient of the weighted CE in the logits
+                p = logits.sub_(lse[:, None]).exp_()
+                p[torch.arange(e - s, device=x.device), y[s:e]] -= 1
+                grad[s:e] = (p.mul_(w[s:e, None]).to(W.dtype) @ W).to(x.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(am, ti, wk)
+        return loss, am, ti, wk
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        (grad,) = ctx.saved_tensors
+        return grad * g.to(grad.dtype), None, None, None, None, None, None, None
+
+
+def head_ce(
+    x: torch.Tensor,
+    W: torch.Tensor,
+    y: torch.Tensor,
+    w: torch.Tensor,
+    topk: int = 0,
+    cand: torch.Tensor | None = None,
+    chunk_elems: int = 1 << 28,
+) -> HeadCE:
+    """The weighted cross-entropy of a frozen head, chunked: x (R, d) normed hidden rows, W (V, d) the head,
+    y (R,) labels, w (R,) row weights -> Σ_r w_r · CE(x_r W^T, y_r), each row's argmax, its top-`topk` ids, and
+    for `cand` (R, K) the candidate of highest logit. Chunks of about `chunk_elems` logits.
+    Reference: `head_ce_reference` (the whole logits at once, as F.cross_entropy does it)."""
+    rows = max(1, chunk_elems // W.shape[0])
+    need = torch.is_grad_enabled() and x.requires_grad
+    c = cand if cand is not None else y.new_empty(0, 1)
+    loss, am, ti, wk = _HeadCE.apply(x, W, y, w, topk, c, rows, need)
+    return HeadCE(loss, am, ti if topk else None, wk if cand is not None else None)
+
+
+def head_ce_reference(x, W, y, w, topk: int = 0, cand=None) -> HeadCE:
+    """`head_ce` through materialized logits and F.cross_entropy (what training did before; the parity tests'
+    reference)."""
+    logits = F.linear(x, W).float()
+    loss = (F.cross_entropy(logits, y, reduction="none") * w).sum()
+    ti = logits.topk(topk, dim=-1).indices if topk else None
+    wk = cand.gather(1, logits.gather(1, cand).argmax(-1, keepdim=True))[:, 0] if cand is not None else None
+    return HeadCE(loss, logits.argmax(-1), ti, wk)
+
+
+def _head_ce_fn():
+    """DSPINE_FUSED_HEAD_CE=0 trains through the reference (an A/B switch for bench/train_step.py)."""
+    return head_ce_reference if os.environ.get("DSPINE_FUSED_HEAD_CE", "1") == "0" else head_ce
+
+
 def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)
     return torch.exp(-(k - 1) / gamma)  # (B-1,)
@@ -99,11 +181,16 @@ def drafter_losses(
     ctx_visible = torch.arange(S, device=dev)[None, None, :] < anchors[..., None]  # (Bs, nb, S)
     mask = block_attention_mask(ctx_visible, B, cfg.is_causal)
     out = drafter(drafter.block_inputs(ids.gather(1, anchors), B), pos, ctx_kv, mask)
-    logits = drafter.logits(out.hidden[:, :, 1:])  # (Bs, nb, B-1, V)
-    ce = (F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(w) * w).sum() / wsum
+    ce_fn = _head_ce_fn()
+    h = out.hidden[:, :, 1:]  # (Bs, nb, B-1, d)
+    W = drafter.head.to(h.dtype)
+    walks = cfg.uses_injection and B > 2
+    K = min(cfg.top_k, W.shape[0]) if walks else 0
+    main = ce_fn(drafter.norm(h).flatten(0, 2), W, y.flatten(), (w / wsum).flatten(), topk=K)
+    ce = main.loss
     total = ce
     stats = {"ce": ce.detach()}
-    pred = logits.argmax(-1)
+    pred = main.argmax.view_as(y)
 
     if cfg.uses_injection:
         codes = drafter.transfer_codes
@@ -116,24 +203,28 @@ def drafter_losses(
         stats["cos"] = cos.detach()
         if cos_weight:
             total = total + cos_weight * cos
-        if B > 2:  # redone last write with the true predecessor's code, slots 2..B-1
+        if walks:  # redone last write with the true predecessor's code, slots 2..B-1
             last = cfg.num_hidden_layers - 1
             inj = drafter.injections[str(last)]
             f_last = out.feats[last]
             h_redo = out.h_pre[:, :, 2:] + inj.delta(f_last[:, :, 2:], tgt_code[:, :, :-1].to(f_last.dtype))
-            redo_logits = drafter.logits(h_redo)  # (Bs, nb, B-2, V)
             wr = w[:, :, 1:] * valid[:, :, :-1]
-            redo = (
-                F.cross_entropy(redo_logits.flatten(0, 2), y[:, :, 1:].flatten(), reduction="none").view_as(wr) * wr
-            ).sum() / wr.sum().clamp_min(1e-6)
+            # what the walk picks: the best redone score among the slot's top-K unconditioned candidates C_t
+            # (a full-vocabulary argmax would credit tokens the walk can never reach)
+            cand = main.topk.view(*y.shape, K)[:, :, 1:]  # (Bs, nb, B-2, K)
+            r = ce_fn(
+                drafter.norm(h_redo).flatten(0, 2),
+                W,
+                y[:, :, 1:].flatten(),
+                (wr / wr.sum().clamp_min(1e-6)).flatten(),
+                cand=cand.flatten(0, 2),
+            )
+            redo = r.loss
             stats["redo"] = redo.detach()
             if redo_weight:
                 total = total + redo_weight * redo
-            # what the walk picks: the best redone score among the slot's top-K unconditioned candidates C_t
-            # (a full-vocabulary argmax would credit tokens the walk can never reach)
-            cand = logits[:, :, 1:].topk(min(cfg.top_k, logits.shape[-1]), dim=-1).indices  # (Bs, nb, B-2, K)
-            walk = cand.gather(-1, redo_logits.gather(-1, cand).argmax(-1, keepdim=True))[..., 0]
-            stats["slot_acc_full_vocab"] = _slot_acc(torch.cat([pred[:, :, :1], redo_logits.argmax(-1)], 2), y, valid)
+            walk = r.walk.view(*y.shape[:2], B - 2)
+            stats["slot_acc_full_vocab"] = _slot_acc(torch.cat([pred[:, :, :1], r.argmax.view_as(walk)], 2), y, valid)
             stats["slot_acc_unconditioned"] = _slot_acc(pred, y, valid)  # each slot's own argmax, no walk
             pred = torch.cat([pred[:, :, :1], walk], dim=2)
     stats["slot_acc"] = _slot_acc(pred, y, valid)

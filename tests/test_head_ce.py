@@ -1,0 +1,71 @@
+"""The chunked head cross-entropy training uses (dspine.train.losses.head_ce) against its reference (materialized
+logits, F.cross_entropy): loss, gradient and picks, over dtypes, shapes and chunkings; and whole drafter losses
+either way."""
+
+import random
+
+import pytest
+import torch
+from conftest import perturb_writes
+
+from dspine.drafter import DSpineDraftModel
+from dspine.train.losses import FeatureSource, drafter_losses, head_ce, head_ce_reference, make_batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,V,chunk_elems", [(37, 101, 1 << 28), (37, 101, 505), (64, 512, 3000), (1, 50, 10)])
+def test_head_ce_matches_its_reference(dtype, R, V, chunk_elems):
+    g = torch.Generator().manual_seed(R * V)
+    d, K = 24, 5
+    x0 = torch.randn(R, d, generator=g).to(dtype)
+    W = (torch.randn(V, d, generator=g) / d**0.5).to(dtype)
+    y = torch.randint(0, V, (R,), generator=g)
+    w = torch.rand(R, generator=g) * (torch.rand(R, generator=g) > 0.2)
+    cand = torch.randint(0, V, (R, K), generator=g)
+    res = {}
+    for name, fn in (("fused", head_ce), ("ref", head_ce_reference)):
+        x = x0.clone().requires_grad_(True)
+        kw = {"chunk_elems": chunk_elems} if fn is head_ce else {}
+        out = fn(x, W, y, w, topk=K, cand=cand, **kw)
+        (3.0 * out.loss).backward()
+        res[name] = (out, x.grad)
+    (a, ga), (b, gb) = res["fused"], res["ref"]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert a.loss.dtype == torch.float32 and a.loss.item() == pytest.approx(b.loss.item(), rel=tol, abs=tol)
+    assert ga.dtype == dtype and torch.allclose(ga.float(), gb.float(), rtol=tol, atol=tol)
+    assert torch.equal(a.argmax, b.argmax) and torch.equal(a.walk, b.walk)
+    assert torch.equal(a.topk.sort(-1).values, b.topk.sort(-1).values)
+
+
+def test_head_ce_without_grad_or_extras():
+    x, W = torch.randn(9, 8), torch.randn(30, 8)
+    y, w = torch.randint(0, 30, (9,)), torch.ones(9)
+    with torch.no_grad():
+        out = head_ce(x.requires_grad_(True), W, y, w, chunk_elems=60)
+    assert out.topk is None and out.walk is None and not out.loss.requires_grad
+    assert out.loss.item() == pytest.approx(head_ce_reference(x, W, y, w).loss.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspine"])
+def test_drafter_losses_equal_with_the_reference_head(tiny, method, monkeypatch):
+    """The training losses, statistics and gradients are those of the materialized-logits path."""
+    target, pairs = tiny
+    drafter = perturb_writes(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8))
+    batch = make_batch(pairs[:6], 5, 8, 256, random.Random(0))
+    src = FeatureSource(target, [drafter])
+    feats = src.select(src(batch.ids), drafter)
+    out = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("DSPINE_FUSED_HEAD_CE", flag)
+        drafter.zero_grad(set_to_none=True)
+        res = drafter_losses(drafter, feats, batch, gamma=4.0)
+        res["loss"].backward()
+        out[flag] = (res, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
+    (a, ga), (b, gb) = out["1"], out["0"]
+    for k, v in b.items():
+        if k != "loss":
+            assert a[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert a["loss"].item() == pytest.approx(b["loss"].item(), rel=1e-5)
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-6), n
