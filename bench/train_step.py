@@ -59,32 +59,30 @@ def time_batch(target, samples, cfg: RecipeConfig, batch_size: int, steps: int, 
     }
 
 
-# --compare: the step's variants side by side (env switches read per call, the attention set on the target)
+# --compare: the step's variants side by side — TrainConfig switches, and the target's attention implementation
 VARIANTS = {
-    "reference": ({"DSPINE_FUSED_HEAD_CE": "0"}, "sdpa"),
-    "fused head CE": ({"DSPINE_FUSED_HEAD_CE": "1"}, "sdpa"),
-    "fused head CE + grouped-KV SDPA": ({"DSPINE_FUSED_HEAD_CE": "1"}, "dspine_sdpa_gqa"),
+    "reference": ({"chunked_head_ce": False}, "sdpa"),
+    "chunked head CE": ({"chunked_head_ce": True}, "sdpa"),
+    "grouped-KV SDPA": ({"chunked_head_ce": False}, "dspine_sdpa_gqa"),
+    "chunked head CE + grouped-KV SDPA": ({"chunked_head_ce": True}, "dspine_sdpa_gqa"),
 }
 
 
 def compare(target, samples, cfg: RecipeConfig, batch_size: int, steps: int, warmup: int) -> list[dict]:
     """One batch size through each of VARIANTS, in one process (one target load)."""
-    import os
-
     own = target.model.config._attn_implementation
     rows = []
     try:
-        for name, (env, attn) in VARIANTS.items():
+        for name, (train, attn) in VARIANTS.items():
             if attn == "dspine_sdpa_gqa" and own != attn:
-                continue  # this target does not attend through dspine's SDPA (CPU bf16, equal heads)
-            os.environ.update(env)
+                continue  # this target does not attend through dspine's SDPA (e.g. bf16 on CUDA, equal heads)
             target.model.set_attn_implementation(attn)
-            rows.append({"variant": name, **time_batch(target, samples, cfg, batch_size, steps, warmup)})
+            c = replace(cfg, train=replace(cfg.train, **train))
+            rows.append({"variant": name, **time_batch(target, samples, c, batch_size, steps, warmup)})
             if target.device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
         target.model.set_attn_implementation(own)
-        os.environ.pop("DSPINE_FUSED_HEAD_CE", None)
     for r in rows:
         r["vs_reference"] = rows[0]["s_per_step"] / r["s_per_step"]
     return rows

@@ -156,7 +156,11 @@ def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         or any(kwargs.get(k) is not None for k in ("position_bias", "softcap"))
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    causal = attention_mask is None and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    causal = (
+        attention_mask is None
+        and q_len > 1
+        and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    )
     if causal and key.shape[2] > q_len:  # as transformers: an empty static cache's prefill
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     if cuda32:
@@ -168,7 +172,7 @@ def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         attn_mask=attention_mask,
         dropout_p=dropout,
         scale=scaling,
-        is_causal=causal and q_len > 1,
+        is_causal=causal,
         enable_gqa=not cuda32,
     )
     return out.transpose(1, 2).contiguous(), None

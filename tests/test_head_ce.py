@@ -47,7 +47,7 @@ def test_head_ce_without_grad_or_extras():
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspine"])
-def test_drafter_losses_equal_with_the_reference_head(tiny, method, monkeypatch):
+def test_drafter_losses_equal_with_the_reference_head(tiny, method):
     """The training losses, statistics and gradients are those of the materialized-logits path."""
     target, pairs = tiny
     drafter = perturb_writes(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8))
@@ -55,13 +55,12 @@ def test_drafter_losses_equal_with_the_reference_head(tiny, method, monkeypatch)
     src = FeatureSource(target, [drafter])
     feats = src.select(src(batch.ids), drafter)
     out = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("DSPINE_FUSED_HEAD_CE", flag)
+    for chunked in (True, False):
         drafter.zero_grad(set_to_none=True)
-        res = drafter_losses(drafter, feats, batch, gamma=4.0)
+        res = drafter_losses(drafter, feats, batch, gamma=4.0, chunked_head=chunked)
         res["loss"].backward()
-        out[flag] = (res, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
-    (a, ga), (b, gb) = out["1"], out["0"]
+        out[chunked] = (res, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
+    (a, ga), (b, gb) = out[True], out[False]
     for k, v in b.items():
         if k != "loss":
             assert a[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k

@@ -54,6 +54,10 @@ class TrainConfig:
     # a warm start that continues an earlier run's cosine (its weights, not its optimizer): the training seconds
     # that run spent of the same time_budget_s, so the schedule picks up where it stopped (after a new warm-up)
     schedule_offset_s: float = 0.0
+    # the head's cross-entropy in row chunks with its gradient at once (losses.head_ce): no whole (rows, vocab)
+    # logits — a fraction of the peak memory, for large vocabularies — at a somewhat slower step (bench/results/
+    # train_step_compare)
+    chunked_head_ce: bool = False
 
     def validate(self) -> None:
         for k in ("steps", "batch_size", "anchors_per_seq", "max_len"):
@@ -381,7 +385,14 @@ class Trainer:
         stats = {}
         for n, d in self.drafters.items():
             with torch.autocast(**self.amp):
-                res = drafter_losses(d, self.src.select(feats, d), batch, **self.kws[n], host=False)
+                res = drafter_losses(
+                    d,
+                    self.src.select(feats, d),
+                    batch,
+                    **self.kws[n],
+                    host=False,
+                    chunked_head=self.cfg.chunked_head_ce,
+                )
             opt = self.opts[n]
             for g in opt.param_groups:
                 g["lr"] = lr

@@ -11,7 +11,6 @@ the frozen target's teacher-forced features come from one `FeatureSource` forwar
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -141,11 +140,6 @@ def head_ce_reference(x, W, y, w, topk: int = 0, cand=None) -> HeadCE:
     return HeadCE(loss, logits.argmax(-1), ti, wk)
 
 
-def _head_ce_fn():
-    """DSPINE_FUSED_HEAD_CE=0 trains through the reference (an A/B switch for bench/train_step.py)."""
-    return head_ce_reference if os.environ.get("DSPINE_FUSED_HEAD_CE", "1") == "0" else head_ce
-
-
 def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)
     return torch.exp(-(k - 1) / gamma)  # (B-1,)
@@ -159,11 +153,13 @@ def drafter_losses(
     cos_weight: float = 0.5,
     redo_weight: float = 1.0,
     host: bool = True,
+    chunked_head: bool = False,
 ) -> dict:
     """feats (Bs, S, m*d) target features of batch.ids -> {"loss", "ce", "cos", "redo", "tau_sim", ...}.
 
     `host=False`: {"loss", "stats"} with the statistics left on the device (`read_stats` reads them, several
-    drafters' at once: one device-to-host copy per training step instead of one per number)."""
+    drafters' at once: one device-to-host copy per training step instead of one per number). `chunked_head`: the
+    head's cross-entropy through `head_ce` (row chunks, no whole logits) instead of `head_ce_reference`."""
     cfg = drafter.config
     B = cfg.block_size
     ids, anchors = batch.ids, batch.anchors
@@ -181,7 +177,7 @@ def drafter_losses(
     ctx_visible = torch.arange(S, device=dev)[None, None, :] < anchors[..., None]  # (Bs, nb, S)
     mask = block_attention_mask(ctx_visible, B, cfg.is_causal)
     out = drafter(drafter.block_inputs(ids.gather(1, anchors), B), pos, ctx_kv, mask)
-    ce_fn = _head_ce_fn()
+    ce_fn = head_ce if chunked_head else head_ce_reference
     h = out.hidden[:, :, 1:]  # (Bs, nb, B-1, d)
     W = drafter.head.to(h.dtype)
     walks = cfg.uses_injection and B > 2
@@ -310,7 +306,8 @@ def evaluate_tau_sims(
         )
         feats = src(batch.ids)
         for name, d in drafters.items():
-            res = drafter_losses(d, src.select(feats, d), batch, **loss_kw(cfg, (losses or {}).get(name)))
+            kw = loss_kw(cfg, (losses or {}).get(name))
+            res = drafter_losses(d, src.select(feats, d), batch, **kw, chunked_head=cfg.chunked_head_ce)
             taus[name] += res["tau_sim"] * len(batch.ids)
         n += len(batch.ids)
     return {k: v / max(1, n) for k, v in taus.items()}
