@@ -382,7 +382,8 @@ def _add_bench(sub) -> None:
     bn.add_argument(
         "--draft-lens",
         help="engine: measure each drafter at each of these drafts per round (comma-separated, each in "
-        "1..block-1; rows NAME/dD); default: the whole block",
+        "1..block-1; rows NAME/dD); D:S also runs only S of the drafter's block slots (D+1..block; rows "
+        "NAME/dDbS); default: the whole block",
     )
     bn.add_argument(
         "--engine-agreement",
@@ -847,12 +848,16 @@ def _bench_models(a, specs: dict[str, str]):
     return target, out
 
 
-def _draft_lens(text: str) -> list[int]:
+def _draft_lens(text: str) -> list[int | tuple[int, int]]:
+    """--draft-lens "8,3,3:4" -> [8, 3, (3, 4)]: drafts per round, or drafts per round : block slots run."""
+    out: list[int | tuple[int, int]] = []
     try:
-        out = [int(x) for x in text.split(",")]
+        for x in text.split(","):
+            d, _, b = x.partition(":")
+            out.append((int(d), int(b)) if b else int(d))
     except ValueError:
-        raise UsageError(f"--draft-lens {text!r} is not a comma-separated list of integers") from None
-    if not out or min(out) < 1:
+        raise UsageError(f"--draft-lens {text!r} is not a comma-separated list of D or D:BLOCK integers") from None
+    if not out or min(x[0] if isinstance(x, tuple) else x for x in out) < 1:
         raise UsageError("--draft-lens values must be >= 1")
     return out
 

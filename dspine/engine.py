@@ -141,9 +141,17 @@ class DraftContext:
 class Engine:
     """Generate with a target alone (`method="ar"`) or with a DSpine/DFlash/post-backbone drafter."""
 
-    def __init__(self, target: Target, drafter: DSpineDraftModel | None = None, draft_len: int | None = None):
+    def __init__(
+        self,
+        target: Target,
+        drafter: DSpineDraftModel | None = None,
+        draft_len: int | None = None,
+        draft_block: int | None = None,
+    ):
         """`draft_len`: drafts verified per round (1 .. block_size-1; default block_size-1), a decode-time
-        choice: each draft costs a row of the target's verify forward."""
+        choice: each draft costs a row of the target's verify forward. `draft_block`: block slots the drafter
+        runs per round (draft_len+1 .. block_size; default block_size) — slots past the drafts are never
+        verified, but in a bidirectional block the earlier slots attend to them."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.method = drafter.config.method if drafter is not None else "ar"
@@ -151,6 +159,9 @@ class Engine:
         if draft_len is not None and not 1 <= draft_len <= B - 1:
             raise ValueError(f"draft_len must be in [1, {B - 1}] for this drafter (block size {B}), got {draft_len}")
         self.draft_len = draft_len or max(B - 1, 0)
+        if draft_block is not None and not self.draft_len + 1 <= draft_block <= B:
+            raise ValueError(f"draft_block must be in [{self.draft_len + 1}, {B}] (draft_len + 1 .. block size)")
+        self.draft_block = draft_block or B
         self.max_positions = target.info.max_position_embeddings
 
     # ---- inputs ----------------------------------------------------------------------------------------
@@ -239,8 +250,8 @@ class Engine:
                 done = stop.push(anchor)
                 clock.lap("ar_step")
                 continue
-            pos = torch.arange(P, P + B, device=dev)
-            block = self.drafter.block_inputs(torch.tensor([[anchor]], device=dev), B)
+            pos = torch.arange(P, P + self.draft_block, device=dev)
+            block = self.drafter.block_inputs(torch.tensor([[anchor]], device=dev), self.draft_block)
             out = self.drafter(block, pos[None, None], ctx.kv)
             clock.lap("draft")
             prop = propose(self.drafter, out, params, gen, self.draft_len)
@@ -408,12 +419,13 @@ class BatchDecode:
                 self.stops[i].finish_reason, self.finished[i] = "length", True
         if self.done:
             return
-        pos = self.committed[:, None] + torch.arange(B, device=dev)  # (N, B); B = 1 for AR
+        Bd = engine.draft_block if drafter is not None else 1  # the slots the drafter runs
+        pos = self.committed[:, None] + torch.arange(Bd, device=dev)  # (N, Bd); 1 for AR
         anchor_t = torch.tensor(self.anchors, device=dev)[:, None]
         prop = None
         if drafter is not None:
-            mask = block_attention_mask(self.valid[:, None], B, drafter.config.is_causal)
-            out = drafter(drafter.block_inputs(anchor_t, B), pos[:, None], self.ctx.kv, mask)
+            mask = block_attention_mask(self.valid[:, None], Bd, drafter.config.is_causal)
+            out = drafter(drafter.block_inputs(anchor_t, Bd), pos[:, None], self.ctx.kv, mask)
             prop = propose(drafter, out, params, self.gen, engine.draft_len)
             feed = torch.cat([anchor_t, prop.tokens], 1)
         else:

@@ -156,8 +156,8 @@ def test_forced_continuation_replays_the_same_rounds(tiny, method):
 
 @pytest.mark.parametrize("method", ["dflash", "dspine"])
 def test_shorter_draft_len_stays_lossless(tiny, method):
-    """Verifying only the first D drafts of each block (a decode-time choice) keeps AR's output, single and
-    batched, and no round accepts more than D drafts."""
+    """Verifying only the first D drafts of each block (a decode-time choice), and running only S block slots,
+    keeps AR's output, single and batched, and no round accepts more than D drafts."""
     from dspine.engine import generate_batch
 
     target, pairs = tiny
@@ -165,8 +165,8 @@ def test_shorter_draft_len_stays_lossless(tiny, method):
     drafter = _trained(target, pairs, method)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [ids[:start] for ids, start in pairs[:3]]
-    for D in (1, 3):
-        eng = Engine(target, drafter, draft_len=D)
+    for D, S in ((1, None), (3, None), (3, 4), (2, 6)):
+        eng = Engine(target, drafter, draft_len=D, draft_block=S)
         for p in prompts:
             got = eng.generate(p, params)
             assert got.token_ids == ar.generate(p, params).token_ids
@@ -176,6 +176,9 @@ def test_shorter_draft_len_stays_lossless(tiny, method):
         ]
     with pytest.raises(ValueError, match="draft_len must be in \\[1, 7\\]"):
         Engine(target, drafter, draft_len=8)
+    for S in (3, 9):
+        with pytest.raises(ValueError, match="draft_block must be in \\[4, 8\\]"):
+            Engine(target, drafter, draft_len=3, draft_block=S)
 
 
 @pytest.mark.parametrize("method", ["ar", "dspine"])
