@@ -493,10 +493,14 @@ def _engine(target, drafter, draft_len: int | None):
 
     if draft_len is not None and drafter is None:
         raise UsageError("--draft-len needs a drafter")
-    if draft_len is None and drafter is not None and target.device.type == "cpu":
-        draft_len = min(CPU_DRAFT_LEN, drafter.config.block_size - 1)
+    draft_block = None
+    if drafter is not None and target.device.type == "cpu":
+        if draft_len is None:
+            draft_len = min(CPU_DRAFT_LEN, drafter.config.block_size - 1)
+        # only the slots that are verified: the drafter's forward shrinks with them (bench/results/engine_cpu_block.md)
+        draft_block = draft_len + 1
     try:
-        return Engine(target, drafter, draft_len)
+        return Engine(target, drafter, draft_len, draft_block)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
