@@ -99,7 +99,7 @@ back)
     split -b 15000000 -d $W/ship/dflash/model.safetensors $OUT/dflash.part
     cp $W/ship/dflash/config.json $OUT/dflash_config.json ;;
   dspine)
-    cp $W/train_report.json $OUT/ 2>/dev/null || cp $W/dspine/last/config.json $OUT/last_config.json
+    cp $W/train_report.json $OUT/
     split -b 15000000 -d $W/ship/dspine/model.safetensors $OUT/dspine.part
     cp $W/ship/dspine/config.json $OUT/dspine_config.json ;;
   *) echo "back: dflash or dspine, not $2" >&2; exit 2 ;;

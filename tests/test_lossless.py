@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import CHAT_PROMPTS, METHODS, brief_train, perturb_writes
+from conftest import CHAT_PROMPTS, METHODS, brief_train, perturb_writes, tiny_target
 
 from dspine.drafter import DSpineDraftModel
 from dspine.engine import Engine
@@ -367,8 +367,6 @@ def test_fp32_cuda_attention_avoids_the_math_kernel():
     """An fp32 CUDA target with grouped KV heads repeats the heads for SDPA's memory-efficient kernel (transformers
     hands the groups to SDPA, which in fp32 only the math kernel takes): the teacher-forced features and a cached
     decode equal transformers' own, and the math kernel is off for them."""
-    from conftest import tiny_target
-
     from dspine.target import Target
 
     target = tiny_target("llama")

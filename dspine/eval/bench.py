@@ -51,9 +51,9 @@ def engine_bench(
     """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: the items in groups of c, each
     group decoded together (engine.generate_batch), throughput and τ only. `draft_lens`: each drafter is
     measured at each of these drafts-per-round (rows "<name>/d<D>"; a pair (D, S) also runs only S block slots:
-    "<name>/d<D>b<S>"), side by side. Every request (or group)
-    runs on all engines in turn before the next, so a machine whose speed drifts (a shared VM) shifts every
-    row alike; each row's tokens/s is over its own decoding time. `other_targets` {DTYPE tag: (target,
+    "<name>/d<D>b<S>"), side by side. Every request (or group) runs on all engines in turn before the next, so a
+    machine whose speed drifts (a shared VM) shifts every row alike; each row's tokens/s is over its own
+    decoding time. `other_targets` {DTYPE tag: (target,
     drafters)}: the same rows for the target in another dtype, named NAME@TAG (module docstring)."""
     from tqdm.auto import tqdm
 
