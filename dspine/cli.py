@@ -166,6 +166,13 @@ def _add_serve(sub) -> None:
         "(AR) (default: builtin for the built-in target, else none)",
     )
     s.add_argument("--draft-len", type=int, help=DRAFT_LEN_HELP)
+    s.add_argument(
+        "--spec-max-batch",
+        type=int,
+        help="the most open requests a batched round drafts for; a fuller batch decodes its rounds "
+        "autoregressively, where verifying drafts costs more than it returns (vLLM's disable_by_batch_size; "
+        "bench/results/engine_cpu*.md measures it per concurrency) (default: no limit)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--served-model-name", default="dspine", help="the model id clients ask for (default: %(default)s)")
@@ -383,7 +390,8 @@ def _add_bench(sub) -> None:
         "--draft-lens",
         help="engine: measure each drafter at each of these drafts per round (comma-separated, each in "
         "1..block-1; rows NAME/dD); D:S also runs only S of the drafter's block slots (D+1..block; rows "
-        "NAME/dDbS); default: the whole block",
+        "NAME/dDbS), D:S:M (or D::M) drafts only in rounds of at most M open requests (serve's "
+        "--spec-max-batch; rows NAME/dDbSmM); default: the whole block",
     )
     bn.add_argument(
         "--engine-agreement",
@@ -488,11 +496,13 @@ def _draft_dtype(a, target):
 CPU_DRAFT_LEN = 5  # serve/generate's default drafts per round on a CPU (bench/results/engine_cpu*.md)
 
 
-def _engine(target, drafter, draft_len: int | None):
+def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None = None):
     from dspine.engine import Engine
 
     if draft_len is not None and drafter is None:
         raise UsageError("--draft-len needs a drafter")
+    if spec_max_batch is not None and drafter is None:
+        raise UsageError("--spec-max-batch needs a drafter")
     draft_block = None
     if drafter is not None and target.device.type == "cpu":
         if draft_len is None:
@@ -500,7 +510,7 @@ def _engine(target, drafter, draft_len: int | None):
         # only the slots that are verified: the drafter's forward shrinks with them (bench/results/engine_cpu_block.md)
         draft_block = draft_len + 1
     try:
-        return Engine(target, drafter, draft_len, draft_block)
+        return Engine(target, drafter, draft_len, draft_block, spec_max_batch)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -671,8 +681,8 @@ def cmd_serve(a) -> int:
                       grace_s=a.grace_seconds, admin_key=a.admin_key, request_timeout_s=a.request_timeout,
                       draft_dtype=a.draft_dtype)  # fmt: skip
     name = drafter_label(a.drafter) if a.drafter else None
-    serve(_engine(target, drafter, a.draft_len), a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter,
-          routes=routes)  # fmt: skip
+    engine = _engine(target, drafter, a.draft_len, a.spec_max_batch)
+    serve(engine, a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter, routes=routes)
     return 0
 
 
@@ -852,17 +862,21 @@ def _bench_models(a, specs: dict[str, str]):
     return target, out
 
 
-def _draft_lens(text: str) -> list[int | tuple[int, int]]:
-    """--draft-lens "8,3,3:4" -> [8, 3, (3, 4)]: drafts per round, or drafts per round : block slots run."""
-    out: list[int | tuple[int, int]] = []
-    try:
-        for x in text.split(","):
-            d, _, b = x.partition(":")
-            out.append((int(d), int(b)) if b else int(d))
-    except ValueError:
-        raise UsageError(f"--draft-lens {text!r} is not a comma-separated list of D or D:BLOCK integers") from None
-    if not out or min(x[0] if isinstance(x, tuple) else x for x in out) < 1:
-        raise UsageError("--draft-lens values must be >= 1")
+def _draft_lens(text: str) -> list[int | tuple]:
+    """--draft-lens "8,3,3:4,3:4:2" -> [8, 3, (3, 4, None), (3, 4, 2)]: drafts per round, then optionally the
+    block slots run and the most open requests a round drafts for (engine_bench)."""
+    out: list[int | tuple] = []
+    for x in text.split(","):
+        parts = x.split(":")
+        try:
+            if len(parts) > 3:
+                raise ValueError
+            d, s, m = [int(p) if p else None for p in parts] + [None] * (3 - len(parts))
+        except ValueError:
+            raise UsageError(f"--draft-lens {x!r} is not D, D:S or D:S:M (integers)") from None
+        if d is None or min(v for v in (d, s, m) if v is not None) < 1:
+            raise UsageError(f"--draft-lens {x!r}: D, S and M must be integers >= 1")
+        out.append((d, s, m) if len(parts) > 1 else d)
     return out
 
 

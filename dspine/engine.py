@@ -147,11 +147,16 @@ class Engine:
         drafter: DSpineDraftModel | None = None,
         draft_len: int | None = None,
         draft_block: int | None = None,
+        spec_max_batch: int | None = None,
     ):
         """`draft_len`: drafts verified per round (1 .. block_size-1; default block_size-1), a decode-time
         choice: each draft costs a row of the target's verify forward. `draft_block`: block slots the drafter
         runs per round (draft_len+1 .. block_size; default block_size) — slots past the drafts are never
-        verified, but in a bidirectional block the earlier slots attend to them."""
+        verified, but in a bidirectional block the earlier slots attend to them. `spec_max_batch`: the most
+        open rows a batched round drafts for (default: no limit); a fuller batch decodes its round
+        autoregressively, where verifying drafts costs more than it returns (vLLM's
+        `disable_by_batch_size`). The drafter's context follows those rounds too, so drafting resumes as soon
+        as the batch is small again."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.method = drafter.config.method if drafter is not None else "ar"
@@ -162,6 +167,9 @@ class Engine:
         if draft_block is not None and not self.draft_len + 1 <= draft_block <= B:
             raise ValueError(f"draft_block must be in [{self.draft_len + 1}, {B}] (draft_len + 1 .. block size)")
         self.draft_block = draft_block or B
+        if spec_max_batch is not None and spec_max_batch < 1:
+            raise ValueError(f"spec_max_batch must be >= 1 (the most open rows a round drafts for): {spec_max_batch}")
+        self.spec_max_batch = spec_max_batch
         self.max_positions = target.info.max_position_embeddings
 
     # ---- inputs ----------------------------------------------------------------------------------------
@@ -361,7 +369,6 @@ class BatchDecode:
         self.t0 = [time.perf_counter()] * N
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else None
         self.B = drafter.config.block_size if drafter is not None else 1
-        self.W = engine.draft_len + 1  # rows fed to the target per round: the anchor and the drafts
         self.stats = [AcceptanceStats(self.B) if drafter is not None else None for _ in range(N)]
         self.stops = [_Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
         V = tgt.info.vocab_size
@@ -412,26 +419,28 @@ class BatchDecode:
         if self.done:
             return
         engine, drafter, tgt = self.engine, self.drafter, self.engine.target
-        dev, N, B, W, params = tgt.device, len(self), self.B, self.W, self.params
+        dev, N, B, params = tgt.device, len(self), self.B, self.params
         edge = (self.committed + B > engine.max_positions).tolist()  # rows at the end of the context
         for i, e in enumerate(edge):
             if e and not self.finished[i]:
                 self.stops[i].finish_reason, self.finished[i] = "length", True
         if self.done:
             return
-        Bd = engine.draft_block if drafter is not None else 1  # the slots the drafter runs
+        open_rows = len(self) - sum(self.finished)
+        spec = drafter is not None and (engine.spec_max_batch is None or open_rows <= engine.spec_max_batch)
+        Bd = engine.draft_block if spec else 1  # the slots the drafter runs
         pos = self.committed[:, None] + torch.arange(Bd, device=dev)  # (N, Bd); 1 for AR
         anchor_t = torch.tensor(self.anchors, device=dev)[:, None]
         prop = None
-        if drafter is not None:
+        if spec:
             mask = block_attention_mask(self.valid[:, None], Bd, drafter.config.is_causal)
             out = drafter(drafter.block_inputs(anchor_t, Bd), pos[:, None], self.ctx.kv, mask)
             prop = propose(drafter, out, params, self.gen, engine.draft_len)
             feed = torch.cat([anchor_t, prop.tokens], 1)
         else:
             feed = anchor_t
-        pos = pos[:, :W]
-        fed_valid = torch.cat([self.valid, self.valid.new_ones(N, W)], 1).long()
+        pos = pos[:, : feed.shape[1]]
+        fed_valid = torch.cat([self.valid, self.valid.new_ones(N, feed.shape[1])], 1).long()
         logits, feats = tgt.forward(feed, self.cache, self.layer_ids, fed_valid, pos)
         chosen = self._penalized(logits, prop)  # what tokens are chosen from
         if prop is not None:
@@ -446,7 +455,7 @@ class BatchDecode:
         kept = torch.arange(m, device=dev)[None] <= n_acc[:, None]  # (N, m)
         tgt.crop_cache(self.cache, self.width + m)
         self.valid = torch.cat([self.valid, kept], 1)
-        if drafter is not None:
+        if drafter is not None:  # an AR round's token too: drafting may resume next round
             self.ctx.extend(feats[:, :m], pos[:, :m])
         self.committed = self.committed + n_acc + 1
         self._commit(n_acc, nxt, prop, logits)
@@ -483,7 +492,7 @@ class BatchDecode:
             if self.finished[i]:
                 continue
             n = int(n_acc[i])
-            if self.stats[i] is not None:
+            if self.stats[i] is not None and prop is not None:  # rounds that drafted
                 self.stats[i].record(n)
             for j, tok in enumerate((prop.tokens[i, :n].tolist() if prop is not None else []) + [int(nxt[i])]):
                 if self._push(i, tok, logits[i, j]):

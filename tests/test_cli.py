@@ -68,3 +68,21 @@ def test_generate_errors(tmp_path, smollm2_drafters, capsys):
     assert "max_tokens" in capsys.readouterr().err
     assert main(["generate", "--drafter", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_draft_lens_and_spec_max_batch_are_parsed_or_refused_clearly(capsys):
+    import pytest
+
+    from dspine.cli import UsageError, _draft_lens
+
+    assert _draft_lens("8,3,3:4,3:4:2,3::1") == [8, 3, (3, 4, None), (3, 4, 2), (3, None, 1)]
+    for bad, why in (
+        ("3:4:2:1", "is not D, D:S or D:S:M"),
+        ("x", "is not D, D:S or D:S:M"),
+        ("3:0", ">= 1"),
+        (":4", ">= 1"),
+    ):
+        with pytest.raises(UsageError, match=why):
+            _draft_lens(bad)
+    assert main(["serve", "--drafter", "none", "--spec-max-batch", "2"]) == 2
+    assert "--spec-max-batch needs a drafter" in capsys.readouterr().err

@@ -181,6 +181,32 @@ def test_shorter_draft_len_stays_lossless(tiny, method):
             Engine(target, drafter, draft_len=3, draft_block=S)
 
 
+def test_a_batch_over_spec_max_batch_decodes_ar_rounds_and_drafts_again_when_it_shrinks(tiny):
+    """spec_max_batch=2 with 4 rows of different lengths: the first rounds run autoregressively (4, then 3 open
+    rows), the last ones draft (the drafter's context followed the AR rounds); every row stays AR's output, and
+    only the drafted rounds count in the acceptance stats."""
+    from dspine.engine import generate_batch
+
+    target, pairs = tiny
+    ar = Engine(target)
+    drafter = _trained(target, pairs, "dspine")
+    lengths = [40, 6, 12, 30]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    prompts = [ids[:start] for ids, start in pairs[:4]]
+    want = [ar.generate(p, q).token_ids for p, q in zip(prompts, params)]
+    capped = generate_batch(Engine(target, drafter, draft_len=3, spec_max_batch=2), prompts, params)
+    free = generate_batch(Engine(target, drafter, draft_len=3), prompts, params)
+    assert [g.token_ids for g in capped] == want == [g.token_ids for g in free]
+    rounds = lambda rs: [r.stats.rounds for r in rs]
+    assert rounds(capped)[1] == 0  # row 1 finished while 4 rows were open: never drafted
+    assert 0 < rounds(capped)[0] < rounds(free)[0]  # row 0 drafted once the batch shrank to 2
+    assert sum(r.stats.accepted for r in capped) > 0
+    T1 = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=3) for n in lengths]
+    assert [len(g.token_ids) for g in generate_batch(Engine(target, drafter, spec_max_batch=1), prompts, T1)] == lengths
+    with pytest.raises(ValueError, match="spec_max_batch must be >= 1"):
+        Engine(target, drafter, spec_max_batch=0)
+
+
 @pytest.mark.parametrize("method", ["ar", "dspine"])
 def test_rows_join_leave_and_compact_between_rounds_and_stay_ar(tiny, method):
     """Continuous batching: a batch prefilled later joins a running one (another width), rows leave as they

@@ -444,9 +444,11 @@ class Service:
         tgt = self.engine.target
         dtype = draft_dtype(self.cfg.draft_dtype, tgt.dtype, tgt.device)
         drafter = None if path == "none" else load_drafter(path, tgt, dtype=dtype, device=tgt.device)
-        keep = self.engine.draft_len if drafter is not None and self.engine.drafter is not None else None
+        cur = self.engine  # its decode-time choices carry over where the new drafter's block allows them
         B = drafter.config.block_size if drafter is not None else 1
-        engine = Engine(tgt, drafter, keep if keep is not None and keep <= B - 1 else None)
+        keep = cur.draft_len if drafter is not None and cur.drafter is not None and cur.draft_len <= B - 1 else None
+        block = cur.draft_block if keep is not None and cur.draft_block <= B else None
+        engine = Engine(tgt, drafter, keep, block, cur.spec_max_batch)
         return engine, None if drafter is None else (name or drafter_label(path))
 
     def _swap_route(self, route: str, path: str, name: str | None, remove: bool) -> dict:
