@@ -43,8 +43,8 @@ def _add_target(p: argparse.ArgumentParser, several_dtypes: bool = False) -> Non
 
 
 DRAFT_LEN_HELP = (
-    "drafts verified per round, 1..block-1 (default: 5 on a CPU, where each draft is a row of the target's verify "
-    "and 5 measured fastest or within noise of it, bench/results/engine_cpu*.md; the whole block elsewhere)"
+    "drafts verified per round, 1..block-1 (default: 3 on a CPU, where each draft is a row of the target's verify "
+    "and 3 measured fastest, bench/results/engine_cpu.md; the whole block elsewhere)"
 )
 
 
@@ -171,7 +171,7 @@ def _add_serve(sub) -> None:
         type=int,
         help="the most open requests a batched round drafts for; a fuller batch decodes its rounds "
         "autoregressively, where verifying drafts costs more than it returns (vLLM's disable_by_batch_size; "
-        "bench/results/engine_cpu*.md measures it per concurrency) (default: no limit)",
+        "bench/results/engine_cpu.md measures it per concurrency) (default: 2 on a CPU, else no limit)",
     )
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
@@ -493,7 +493,10 @@ def _draft_dtype(a, target):
     return draft_dtype(a.draft_dtype, target.dtype, a.device)
 
 
-CPU_DRAFT_LEN = 5  # serve/generate's default drafts per round on a CPU (bench/results/engine_cpu*.md)
+# serve/generate's defaults on a CPU (bench/results/engine_cpu.md): drafts per round, and the most open requests
+# a batched round drafts for (verifying drafts for 4 or 8 requests together costs more than it returns there)
+CPU_DRAFT_LEN = 3
+CPU_SPEC_MAX_BATCH = 2
 
 
 def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None = None):
@@ -507,6 +510,8 @@ def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None =
     if drafter is not None and target.device.type == "cpu":
         if draft_len is None:
             draft_len = min(CPU_DRAFT_LEN, drafter.config.block_size - 1)
+        if spec_max_batch is None:
+            spec_max_batch = CPU_SPEC_MAX_BATCH
         # only the slots that are verified: the drafter's forward shrinks with them (bench/results/engine_cpu_block.md)
         draft_block = draft_len + 1
     try:

@@ -97,15 +97,20 @@ def test_cli_uses_the_builtin_drafter(capsys, tmp_path):
 
 
 def test_cpu_defaults_of_serve_and_generate(smollm2, shipped):
-    """On a CPU, serve/generate verify 5 drafts per round unless told otherwise (each draft is a target row there)
-    and the drafter runs only the block slots that are verified;
+    """On a CPU, serve/generate verify 3 drafts per round unless told otherwise (each draft is a target row there),
+    the drafter runs only the block slots that are verified, and batched rounds of more than 2 open requests
+    decode AR (--spec-max-batch);
     the drafter's dtype: auto is bf16 only on a CPU with native bf16 instructions, else the target's."""
     from dspine.checkpoint import CheckpointError, draft_dtype
     from dspine.cli import UsageError, _engine
 
-    assert (_engine(smollm2, shipped, None).draft_len, _engine(smollm2, shipped, None).draft_block) == (5, 6)
-    assert (_engine(smollm2, shipped, 15).draft_len, _engine(smollm2, shipped, 15).draft_block) == (15, 16)
+    got = _engine(smollm2, shipped, None)
+    assert (got.draft_len, got.draft_block, got.spec_max_batch) == (3, 4, 2)
+    got = _engine(smollm2, shipped, 15, 8)
+    assert (got.draft_len, got.draft_block, got.spec_max_batch) == (15, 16, 8)
     assert _engine(smollm2, None, None).method == "ar"
+    with pytest.raises(UsageError, match="spec_max_batch must be >= 1"):
+        _engine(smollm2, shipped, None, 0)
     with pytest.raises(UsageError, match="draft_len must be in"):
         _engine(smollm2, shipped, 16)
     native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
