@@ -69,8 +69,9 @@ start)
     (python bench/train_step.py --work $W --pick --profile --out $OUT/train_step.json $(ovr) || echo 16) | tail -n 1 > $W/bs.new
   fi
   mv $W/bs.new $W/batch_size
-  # a warm start (weights only, a new cosine) peaks at LR (default 5e-4, half a fresh run's: it continues)
-  if [ -n "$(warm)" ]; then echo ${LR:-5e-4} > $W/lr; fi
+  # a warm start (weights only, a new cosine) peaks at LR (default 5e-4, half a fresh run's: it continues);
+  # with OFFSET it continues the earlier run's cosine, whose peak was the recipe's own LR (default: unset)
+  if [ -n "$(warm)" ] && [ -z "${OFFSET:-}" -o -n "${LR:-}" ]; then echo ${LR:-5e-4} > $W/lr; fi
   echo "batch size: $(cat $W/batch_size); $(warm) $(ovr | grep -o 'train.lr=[^ ]*' || true)"
   s=$(left $(($2 - 45)))  # the target's load and the checkpoint writes
   echo ${BUDGET:-$(( (s > 60 ? s : 0) + ${3:-450} ))} > $W/budget_s
