@@ -874,10 +874,8 @@ def _draft_lens(text: str) -> list[int | tuple]:
     for x in text.split(","):
         parts = x.split(":")
         try:
-            if len(parts) > 3:
-                raise ValueError
             d, s, m = [int(p) if p else None for p in parts] + [None] * (3 - len(parts))
-        except ValueError:
+        except ValueError:  # not integers, or more than three parts
             raise UsageError(f"--draft-lens {x!r} is not D, D:S or D:S:M (integers)") from None
         if d is None or min(v for v in (d, s, m) if v is not None) < 1:
             raise UsageError(f"--draft-lens {x!r}: D, S and M must be integers >= 1")

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from dspine.checkpoint import save_drafter
 from dspine.cli import main
 
@@ -71,8 +73,6 @@ def test_generate_errors(tmp_path, smollm2_drafters, capsys):
 
 
 def test_draft_lens_and_spec_max_batch_are_parsed_or_refused_clearly(capsys):
-    import pytest
-
     from dspine.cli import UsageError, _draft_lens
 
     assert _draft_lens("8,3,3:4,3:4:2,3::1") == [8, 3, (3, 4, None), (3, 4, 2), (3, None, 1)]

@@ -50,11 +50,12 @@ def engine_bench(
 ) -> dict:
     """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: the items in groups of c, each
     group decoded together (engine.generate_batch), throughput and τ only. `draft_lens`: each drafter is
-    measured at each of these drafts-per-round (rows "<name>/d<D>"; (D, S) also runs only S block slots:
-    "<name>/d<D>b<S>"; (D, S, M) drafts only in rounds of at most M open rows: "…m<M>"), side by side. Every
-    request (or group) runs on all engines in turn before the next, so a machine whose speed drifts (a shared
-    VM) shifts every row alike; each row's tokens/s is over its own decoding time. `other_targets` {DTYPE tag:
-    (target, drafters)}: the same rows for the target in another dtype, named NAME@TAG (module docstring)."""
+    measured at each of these drafts-per-round (rows "<name>/d<D>"; a triple (D, S, M) also runs only S block
+    slots, "b<S>", and drafts only in rounds of at most M open rows, "m<M>"; S, M None: no limit), side by
+    side. Every request (or group) runs on all engines in turn before the next, so a machine whose speed drifts
+    (a shared VM) shifts every row alike; each row's tokens/s is over its own decoding time. `other_targets`
+    {DTYPE tag: (target, drafters)}: the same rows for the target in another dtype, named NAME@TAG (module
+    docstring)."""
     from tqdm.auto import tqdm
 
     items = [(b, it) for b in benchmarks for it in load_benchmark(b, limit)]
@@ -65,7 +66,7 @@ def engine_bench(
         engines["ar" + suffix], own_ar["ar" + suffix] = Engine(tgt), "ar" + suffix
         for n, d in drs.items():
             for D in draft_lens or [None]:
-                D, S, M = (*D, None, None)[:3] if isinstance(D, tuple) else (D, None, None)
+                D, S, M = D if isinstance(D, tuple) else (D, None, None)
                 name = (n if D is None else f"{n}/d{D}" + (f"b{S}" if S else "") + (f"m{M}" if M else "")) + suffix
                 engines[name], own_ar[name] = Engine(tgt, d, D, S, M), "ar" + suffix
     batched = [c for c in (concurrencies or [1]) if c > 1]

@@ -447,7 +447,8 @@ class Service:
         cur = self.engine  # its decode-time choices carry over where the new drafter's block allows them
         B = drafter.config.block_size if drafter is not None else 1
         keep = cur.draft_len if drafter is not None and cur.drafter is not None and cur.draft_len <= B - 1 else None
-        block = cur.draft_block if keep is not None and cur.draft_block <= B else None
+        chosen = cur.drafter is not None and cur.draft_block < cur.drafter.config.block_size  # not the whole block
+        block = cur.draft_block if keep is not None and chosen and cur.draft_block <= B else None
         engine = Engine(tgt, drafter, keep, block, cur.spec_max_batch)
         return engine, None if drafter is None else (name or drafter_label(path))
 
