@@ -73,7 +73,7 @@ def table(it: dict, doc: dict) -> str:
     if g:
         out += "\n\ngeneral benchmarks (" + ", ".join(g["benchmarks"]) + f", T = 0): τ base {g['tau_mean']['base']:.3f}"
         out += "".join(
-            f", {n} {t:.3f} (regression {g['regression'][n]:+.1%})" for n, t in g["tau_mean"].items() if n != "base"
+            f", {n} {t:.3f} (τ {-g['regression'][n]:+.1%} vs base)" for n, t in g["tau_mean"].items() if n != "base"
         )
     gate = "; ".join(
         f"{n}: {'accept' if d['accept'] else 'refuse (' + ', '.join(d['reasons']) + ')'}"
