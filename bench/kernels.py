@@ -2,10 +2,10 @@
 
 Per speculative round at concurrency N: the injection over all drafter layers (kernels/injection.py, its
 layouts "rows", "split" and "gemm", vs dspine.drafter.Injection) and the transition cache + greedy walk
-(kernels/transition.py vs dspine.decoding.transition_scores + walk_greedy, and "path": what
-greedy_transition_walk runs at this width), and the proposal head both methods
+(kernels/transition.py — fused and the s-wide "lowrank" — vs dspine.decoding.transition_scores + walk_greedy,
+and "path": what greedy_transition_walk runs at this width), and the proposal head both methods
 share — logits of slots 1..B-1 then DFlash's argmax or DSpine's top-K candidates (torch, or
-kernels/candidates.py). CUDA-event timing, median of repeated runs after warm-up, launched from Python
+kernels/candidates.py: fused, tiled). CUDA-event timing, median of repeated runs after warm-up, launched from Python
 ("launch") and replayed from a captured CUDA graph ("graph", as inside SGLang's draft graph, where launch
 overhead is gone).
     python bench/kernels.py --out $OUT/kernels.json
@@ -23,9 +23,9 @@ import torch
 from dspine.decoding import greedy_transition_walk, transition_scores, walk_greedy
 from dspine.drafter import Injection, RMSNorm
 from dspine.io import atomic_write_text, md_table, provenance, update_summary
-from dspine.kernels.candidates import fused_top_candidates
+from dspine.kernels.candidates import fused_top_candidates, tiled_top_candidates
 from dspine.kernels.injection import VARIANTS, fused_injection, injection_variant
-from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy
+from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy, lowrank_transition_scores
 
 
 def timed(fn, reps: int = 50) -> float:
@@ -102,11 +102,15 @@ def main() -> int:
                 "transition_fused": lambda: fused_walk_greedy(
                     cand, fused_transition_scores(injs[-1], norm, head, codes, h_pre, f, cand)
                 ),
+                "transition_lowrank": lambda: fused_walk_greedy(
+                    cand, lowrank_transition_scores(injs[-1], norm, head, codes, h_pre, f, cand)
+                ),
                 # what the engine and the plugin run at this width (fused scores only up to the width rule)
                 "transition_path": lambda: greedy_transition_walk(cand, injs[-1], norm, head, codes, h_pre, f),
                 "head_argmax": lambda: torch.matmul(slots, head.t()).argmax(-1),
                 "head_topk": lambda: torch.matmul(slots, head.t()).topk(K, dim=-1).indices,
                 "head_topk_fused": lambda: fused_top_candidates(slots.view(-1, d), head, K),
+                "head_topk_tiled": lambda: tiled_top_candidates(slots.view(-1, d), head, K),
             }
             row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers, "hidden": d,
                    "injection_path": injection_variant(width=d)}  # fmt: skip
@@ -119,10 +123,12 @@ def main() -> int:
         *(f"{n}_{m}_ms" for n in ("eager", *VARIANTS) for m in ("launch", "graph")),
         "transition_eager_graph_ms",
         "transition_fused_graph_ms",
+        "transition_lowrank_graph_ms",
         "transition_path_graph_ms",
         "head_argmax_graph_ms",
         "head_topk_graph_ms",
         "head_topk_fused_graph_ms",
+        "head_topk_tiled_graph_ms",
     ]
     header = ["dtype", "batch", "K", *(c[:-3].replace("_", " ") for c in cols)]
     print(md_table(header, [[x["dtype"], x["batch"], x["top_k"], *(f"{x[c]:.3f}" for c in cols)] for x in rows]))

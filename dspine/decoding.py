@@ -96,7 +96,8 @@ def scores_table(
     cand: torch.Tensor,
     fast: bool,
 ) -> torch.Tensor:
-    """transition_scores, or its fused kernel; no slot >= 2 (B = 2) -> an empty table."""
+    """transition_scores, or its fused kernel (`fast`), or on CUDA above that kernel's width its s-wide form
+    (kernels/transition.py; DSPINE_TRANSITION=eager keeps the reference); no slot >= 2 (B = 2) -> an empty table."""
     N, Bm1, K = cand.shape
     if Bm1 == 1:
         return torch.zeros(N, 0, K, K, device=cand.device)
@@ -104,6 +105,10 @@ def scores_table(
         from dspine.kernels.transition import fused_transition_scores
 
         return fused_transition_scores(inj, norm, head, codes, h_pre, f, cand)
+    if kernels.enabled(h_pre) and kernels.setting("DSPINE_TRANSITION", ("lowrank", "eager"), "lowrank") == "lowrank":
+        from dspine.kernels.transition import lowrank_transition_scores
+
+        return lowrank_transition_scores(inj, norm, head, codes, h_pre, f, cand)
     return transition_scores(inj, norm, head, codes, h_pre, f, cand)
 
 
@@ -112,12 +117,15 @@ def top_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (N, d) normed draft states, head (V, d) -> the K best ids (N, K) and their logits (N, K) fp32,
     best first: the candidate sets C_t. `fast`: kernels/candidates.py (no (N, V) logits written) where it
-    was measured faster (candidates.wanted; DSPINE_CANDIDATES overrides)."""
+    was measured faster, else its tiled top-K over cuBLAS logits (candidates.choice; DSPINE_CANDIDATES overrides)."""
     if fast:
-        from dspine.kernels.candidates import fused_top_candidates, wanted
+        from dspine.kernels.candidates import choice, fused_top_candidates, tiled_top_candidates
 
-        if wanted(k, *hidden.shape):
+        how = choice(k, *hidden.shape)
+        if how == "fused":
             return fused_top_candidates(hidden, head, k)
+        if how == "tiled":
+            return tiled_top_candidates(hidden, head, k)
     vals, ids = torch.matmul(hidden, head.t().to(hidden.dtype)).topk(min(k, head.shape[0]), dim=-1)
     return ids, vals.float()
 

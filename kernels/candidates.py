@@ -17,7 +17,9 @@ Measured on the H200 (bench/results/kernels.json, bf16, graph replay, head + can
 1/4/16/32): K = 8 fused 0.056 / 0.066 / 0.157 / 0.250 ms vs torch 0.072 / 0.091 / 0.196 / 0.327; K = 32 fused
 0.113 / 0.237 / 0.438 / 0.816 vs torch 0.070 / 0.090 / 0.195 / 0.328 (the K rounds of max grow with K; a
 launch-config sweep found K = 16 at par or slower from batch 4). So DSPINE_CANDIDATES=auto (the default)
-takes it for K <= 8 and torch above; `fused` / `torch` force either.
+takes it for K <= 8 (at wide models only up to 64 rows) and `tiled_top_candidates` otherwise: cuBLAS logits,
+then an exact top-K through tile maxima instead of torch.topk over the vocabulary; `fused` / `tiled` / `torch`
+force one.
 """
 
 from __future__ import annotations
@@ -118,18 +120,43 @@ def fused_top_candidates(hidden: torch.Tensor, head: torch.Tensor, k: int) -> tu
     return ids.view(N, T * K).gather(1, j).long(), best
 
 
+def tiled_top_candidates(
+    hidden: torch.Tensor, head: torch.Tensor, k: int, tile: int = BLOCK_V
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as fused_top_candidates, for many rows at wide models: cuBLAS writes the (N, V) logits, as
+    for DFlash's argmax, then an exact top-K without torch.topk over V. The K tiles of `tile` logits with the
+    largest maxima hold the K best (a logit in any other tile is below K tile maxima, each a different logit),
+    so topk runs over the N × V/tile maxima and then over those K tiles (N × K·tile). Plain torch ops."""
+    logits = torch.matmul(hidden, head.t().to(hidden.dtype))  # (N, V)
+    N, V = logits.shape
+    K = min(int(k), V)
+    T = -(-V // tile)
+    if T <= K:
+        vals, ids = logits.topk(K, dim=-1)
+        return ids, vals.float()
+    if V % tile:
+        logits = torch.nn.functional.pad(logits, (0, T * tile - V), value=float("-inf"))
+    x = logits.view(N, T, tile)
+    tiles = x.amax(-1).topk(K, dim=-1).indices  # (N, K)
+    vals, j = x.gather(1, tiles[..., None].expand(N, K, tile)).view(N, K * tile).topk(K, dim=-1)
+    return tiles.gather(1, j // tile) * tile + j % tile, vals.float()
+
+
 FUSED_MAX_K = 8  # auto: the widest K measured faster than torch's matmul + topk at every batch
 WIDE_MAX_ROWS = 64  # auto, above kernels.fused_max_width(): the most rows (4 blocks of 16) it was measured faster at
+CHOICES = ("auto", "fused", "tiled", "torch")
 
 
-def wanted(k: int, rows: int = 0, width: int = 0) -> bool:
-    """Whether the candidate sets of width k for `rows` hidden states of `width` take the fused head (where
-    kernels.enabled holds): DSPINE_CANDIDATES=auto (default) for k <= FUSED_MAX_K, and at wide models
-    (above kernels.fused_max_width(), where cuBLAS writes the logits faster than 16-wide tiles walk d) only up to
-    WIDE_MAX_ROWS rows (bench/results/kernels_qwen3-8b.json); `fused` always, `torch` never."""
+def choice(k: int, rows: int = 0, width: int = 0) -> str:
+    """How the candidate sets of width k for `rows` hidden states of `width` are formed where kernels.enabled
+    holds: "fused" (tile_topk_kernel), "tiled" (cuBLAS logits + tiled_top_candidates) or "torch" (logits +
+    torch.topk). DSPINE_CANDIDATES=auto (default): fused for k <= FUSED_MAX_K, and at wide models (above
+    kernels.fused_max_width(), where cuBLAS writes the logits faster than 16-wide tiles walk d) only up to
+    WIDE_MAX_ROWS rows (bench/results/kernels_qwen3-8b.json); tiled otherwise."""
     from . import fused_max_width, setting
 
-    mode = setting("DSPINE_CANDIDATES", ("auto", "torch", "fused"), "auto")
+    mode = setting("DSPINE_CANDIDATES", CHOICES, "auto")
     if mode != "auto":
-        return mode == "fused"
-    return int(k) <= FUSED_MAX_K and (width <= fused_max_width() or rows <= WIDE_MAX_ROWS)
+        return mode
+    fused = int(k) <= FUSED_MAX_K and (width <= fused_max_width() or rows <= WIDE_MAX_ROWS)
+    return "fused" if fused else "tiled"

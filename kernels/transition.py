@@ -9,6 +9,14 @@ Scores: one program per (row, slot); the K predecessors are the M side of the do
 message is built in 16-wide chunks of the message dimension into scratch rows only this program touches;
 the RMS scale is applied to the finished dot products (norm is a per-row scalar times a weight). Walks: one
 program per row, B-2 dependent steps over K values each — a table lookup, as the method intends.
+
+Wide models (above kernels.fused_max_width(), where a 16-wide tile walking d loses to cuBLAS): `lowrank_
+transition_scores`, plain torch, never forms the K redone d-wide states of a slot. With x = h_pre_t, m_a =
+σ(A f_t + b + P T[a]) ⊙ M T[a] and γ the norm's weight,
+    S_t[a, b] = (<W_out[b] ⊙ γ, x> + ((W_out[b] ⊙ γ)ᵀ W) m_a) · rms(x + W m_a)⁻¹,
+    |x + W m_a|² = |x|² + 2 (Wᵀx)·m_a + m_aᵀ (WᵀW) m_a,
+so the d-wide work is the gather of the successors' head rows and one product of them with γ ⊙ W (d × s);
+everything per predecessor is s-wide.
 """
 
 from __future__ import annotations
@@ -204,6 +212,31 @@ def fused_transition_scores(
         num_stages=2,
     )
     return out
+
+
+def lowrank_transition_scores(
+    inj, norm, head: torch.Tensor, codes: torch.Tensor, h_pre: torch.Tensor, f: torch.Tensor, cand: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as dspine.decoding.transition_scores: h_pre (N, B, d), f (N, B, r), cand (N, B-1, K)
+    -> S (N, B-2, K, K) fp32; the s-wide form of the module docstring (torch ops, any device)."""
+    N, B, D = h_pre.shape
+    if B <= 2:
+        return torch.zeros(N, 0, cand.shape[-1], cand.shape[-1], device=h_pre.device)
+    dt = h_pre.dtype
+    x = h_pre[:, 2:]  # (N, B-2, d)
+    pred = codes[cand[:, :-1]].to(dt)  # (N, B-2, K, r)
+    m = (torch.sigmoid(inj.gate_f(f[:, 2:, None, :]) + inj.gate_p(pred)) * inj.message(pred)).float()  # (.., K, s)
+    W = inj.write.weight.float()  # (d, s)
+    gamma = norm.weight.float()
+    succ = head[cand[:, 1:]].to(dt)  # (N, B-2, K, d)
+    along = torch.matmul(succ, (x.float() * gamma).to(dt)[..., None]).squeeze(-1).float()  # <W_out[b] ⊙ γ, x>
+    across = torch.matmul(succ, (gamma[:, None] * W).to(dt)).float()  # (N, B-2, K, s): (W_out[b] ⊙ γ)ᵀ W
+    num = along[..., None, :] + torch.matmul(m, across.transpose(-1, -2))  # (N, B-2, K_a, K_b)
+    xf = x.float()
+    u = torch.matmul(xf, W)  # (N, B-2, s): Wᵀ x
+    sq = xf.pow(2).sum(-1, keepdim=True) + 2 * (m * u[..., None, :]).sum(-1)
+    sq = sq + (torch.matmul(m, W.t() @ W) * m).sum(-1)  # (N, B-2, K_a): |x + W m_a|²
+    return num * torch.rsqrt(sq.clamp_min(0) / D + norm.eps)[..., None]
 
 
 def fused_walk_greedy(cand: torch.Tensor, S: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,14 @@ from dspine.decoding import (  # noqa: E402
     walk_sample,
 )
 from dspine.drafter import Injection, RMSNorm  # noqa: E402
-from dspine.kernels.candidates import fused_top_candidates  # noqa: E402
+from dspine.kernels.candidates import fused_top_candidates, tiled_top_candidates  # noqa: E402
 from dspine.kernels.injection import add_sumsq, fused_injection, injection_variant  # noqa: E402
-from dspine.kernels.transition import fused_transition_scores, fused_walk_greedy, fused_walk_sample  # noqa: E402
+from dspine.kernels.transition import (  # noqa: E402
+    fused_transition_scores,
+    fused_walk_greedy,
+    fused_walk_sample,
+    lowrank_transition_scores,
+)
 from dspine.sampling import SamplingParams  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -123,7 +128,8 @@ def test_fused_transition_and_walks_match_reference(shape, dtype):
     with torch.no_grad():
         ref = transition_scores(inj, norm, head, codes, h_pre, f, cand)
         got = fused_transition_scores(inj, norm, head, codes, h_pre, f, cand)
-    assert got.shape == (N, B - 2, K, K) and _close(got, ref, dtype)
+        low = lowrank_transition_scores(inj, norm, head, codes, h_pre, f, cand)
+    assert got.shape == low.shape == (N, B - 2, K, K) and _close(got, ref, dtype) and _close(low, ref, dtype)
     # the walks read one score table, so they must agree exactly (jitter: no exact ties, whose order the
     # reference's sort leaves open)
     ref = ref + torch.rand(ref.shape, generator=g).to(DEV) * 1e-3
@@ -142,14 +148,15 @@ def test_fused_transition_and_walks_match_reference(shape, dtype):
 HEADS = [(15, 576, 49152, 8), (3, 64, 1000, 4), (70, 96, 517, 16), (30, 64, 300, 32)]
 
 
+@pytest.mark.parametrize("how", [fused_top_candidates, tiled_top_candidates])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", HEADS)
-def test_fused_candidates_match_reference(shape, dtype):
+def test_fused_candidates_match_reference(shape, dtype, how):
     N, d, V, K = shape
     g = torch.Generator().manual_seed(V)
     hidden = torch.randn(N, d, generator=g).to(DEV, dtype)
     head = torch.randn(V, d, generator=g).to(DEV, dtype)
-    ids, vals = fused_top_candidates(hidden, head, K)
+    ids, vals = how(hidden, head, K)
     exact = hidden.double() @ head.double().t()  # (N, V): what both approximate
     assert ids.shape == vals.shape == (N, K) and ids.dtype == torch.int64 and vals.dtype == torch.float32
     assert (vals[:, :-1] >= vals[:, 1:]).all()  # best first, as torch.topk: slot 1's draft is ids[:, 0]
@@ -164,19 +171,46 @@ def test_fused_candidates_match_reference(shape, dtype):
 
 
 def test_candidates_switch_is_checked(monkeypatch):
-    from dspine.kernels.candidates import FUSED_MAX_K, wanted
+    from dspine.kernels.candidates import FUSED_MAX_K, choice
 
     monkeypatch.delenv("DSPINE_CANDIDATES", raising=False)  # auto: fused only as wide as it was measured faster
-    assert wanted(FUSED_MAX_K) and not wanted(FUSED_MAX_K + 1)
-    # at 8B width cuBLAS + torch.topk win from 16 blocks of 16 on; at SmolLM2's width the fused head always
-    assert wanted(8, 60, 4096) and not wanted(8, 240, 4096) and wanted(8, 480, 576)
+    assert choice(FUSED_MAX_K) == "fused" and choice(FUSED_MAX_K + 1) == "tiled"
+    # at 8B width cuBLAS logits win from 16 blocks of 16 on; at SmolLM2's width the fused head always
+    assert [choice(8, n, w) for n, w in ((60, 4096), (240, 4096), (480, 576))] == ["fused", "tiled", "fused"]
     monkeypatch.setenv("DSPINE_CANDIDATES", "fast")
     with pytest.raises(ValueError, match="DSPINE_CANDIDATES"):
-        wanted(8)
-    monkeypatch.setenv("DSPINE_CANDIDATES", "fused")
-    assert wanted(32) and wanted(8, 480, 4096)
-    monkeypatch.setenv("DSPINE_CANDIDATES", "torch")
-    assert not wanted(8)
+        choice(8)
+    for mode in ("fused", "tiled", "torch"):
+        monkeypatch.setenv("DSPINE_CANDIDATES", mode)
+        assert choice(32) == choice(8, 480, 4096) == mode
+
+
+def test_tiled_candidates_with_ties_and_few_tiles():
+    """Tile maxima tied across tiles, a ragged last tile, and fewer tiles than K: still the K best values."""
+    hidden = torch.ones(2, 4, device=DEV)
+    head = torch.zeros(300, 4, device=DEV)
+    head[[5, 130, 299, 7]] = torch.tensor([[1.0] * 4, [1.0] * 4, [2.0] * 4, [0.5] * 4], device=DEV)
+    ids, vals = tiled_top_candidates(hidden, head, 3)  # tiles of 128: 5, 7 | 130 | 299 (ragged)
+    assert ids[0].tolist()[0] == 299 and sorted(ids[0].tolist()[1:]) == [5, 130] and vals[0].tolist() == [8, 4, 4]
+    ids, vals = tiled_top_candidates(hidden, head, 4, tile=128)  # 3 tiles < K: torch.topk over the row
+    assert sorted(ids[1].tolist()) == [5, 7, 130, 299] and vals[1].tolist() == [8, 4, 4, 2]
+
+
+def test_transition_switch_is_checked(monkeypatch):
+    from dspine.decoding import scores_table
+
+    monkeypatch.setenv("DSPINE_TRANSITION", "fast")
+    inj, norm = _inj(64, 32, 32, torch.float32, 0), RMSNorm(64, 1e-6).to(DEV)
+    head, codes = torch.randn(50, 64, device=DEV), torch.randn(50, 32, device=DEV)
+    h_pre, f = torch.randn(2, 8, 64, device=DEV), torch.randn(2, 8, 32, device=DEV)
+    cand = torch.randint(0, 50, (2, 7, 4), device=DEV)
+    with torch.no_grad():
+        if CUDA:  # the switch is read where the s-wide form could run: CUDA without autograd
+            with pytest.raises(ValueError, match="DSPINE_TRANSITION"):
+                scores_table(inj, norm, head, codes, h_pre, f, cand, False)
+        monkeypatch.setenv("DSPINE_TRANSITION", "eager")
+        ref = scores_table(inj, norm, head, codes, h_pre, f, cand, False)
+    assert torch.equal(ref, transition_scores(inj, norm, head, codes, h_pre, f, cand))
 
 
 def test_sampled_walk_takes_each_candidate_with_its_probability():
