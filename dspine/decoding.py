@@ -96,8 +96,9 @@ def scores_table(
     cand: torch.Tensor,
     fast: bool,
 ) -> torch.Tensor:
-    """transition_scores, or its fused kernel (`fast`), or on CUDA above that kernel's width its s-wide form
-    (kernels/transition.py; DSPINE_TRANSITION=eager keeps the reference); no slot >= 2 (B = 2) -> an empty table."""
+    """transition_scores, or its fused kernel (`fast`), or on CUDA above that kernel's width and from
+    kernels.transition.LOWRANK_MIN_BLOCKS blocks its s-wide form (DSPINE_TRANSITION=auto|eager|lowrank);
+    no slot >= 2 (B = 2) -> an empty table."""
     N, Bm1, K = cand.shape
     if Bm1 == 1:
         return torch.zeros(N, 0, K, K, device=cand.device)
@@ -105,10 +106,11 @@ def scores_table(
         from dspine.kernels.transition import fused_transition_scores
 
         return fused_transition_scores(inj, norm, head, codes, h_pre, f, cand)
-    if kernels.enabled(h_pre) and kernels.setting("DSPINE_TRANSITION", ("lowrank", "eager"), "lowrank") == "lowrank":
-        from dspine.kernels.transition import lowrank_transition_scores
+    if kernels.enabled(h_pre):
+        from dspine.kernels.transition import lowrank_transition_scores, lowrank_wanted
 
-        return lowrank_transition_scores(inj, norm, head, codes, h_pre, f, cand)
+        if lowrank_wanted(N):
+            return lowrank_transition_scores(inj, norm, head, codes, h_pre, f, cand)
     return transition_scores(inj, norm, head, codes, h_pre, f, cand)
 
 

@@ -16,7 +16,7 @@ transition_scores`, plain torch, never forms the K redone d-wide states of a slo
     S_t[a, b] = (<W_out[b] ⊙ γ, x> + ((W_out[b] ⊙ γ)ᵀ W) m_a) · rms(x + W m_a)⁻¹,
     |x + W m_a|² = |x|² + 2 (Wᵀx)·m_a + m_aᵀ (WᵀW) m_a,
 so the d-wide work is the gather of the successors' head rows and one product of them with γ ⊙ W (d × s);
-everything per predecessor is s-wide.
+everything per predecessor is s-wide. It replaces the eager scores from LOWRANK_MIN_BLOCKS blocks on (`lowrank_wanted`).
 """
 
 from __future__ import annotations
@@ -237,6 +237,19 @@ def lowrank_transition_scores(
     sq = xf.pow(2).sum(-1, keepdim=True) + 2 * (m * u[..., None, :]).sum(-1)
     sq = sq + (torch.matmul(m, W.t() @ W) * m).sum(-1)  # (N, B-2, K_a): |x + W m_a|²
     return num * torch.rsqrt(sq.clamp_min(0) / D + norm.eps)[..., None]
+
+
+LOWRANK_MIN_BLOCKS = 32  # auto: where the s-wide form beat the eager scores at 8B width (bench/kernels.py)
+
+
+def lowrank_wanted(blocks: int) -> bool:
+    """Whether the eager scores' place goes to lowrank_transition_scores for `blocks` blocks: DSPINE_TRANSITION=
+    auto (default) from LOWRANK_MIN_BLOCKS on (below, its ~30 small launches cost more than the d-wide passes
+    they save), `lowrank` always, `eager` never."""
+    from . import setting
+
+    mode = setting("DSPINE_TRANSITION", ("auto", "lowrank", "eager"), "auto")
+    return mode == "lowrank" or (mode == "auto" and blocks >= LOWRANK_MIN_BLOCKS)
 
 
 def fused_walk_greedy(cand: torch.Tensor, S: torch.Tensor) -> torch.Tensor:

@@ -197,20 +197,17 @@ def test_tiled_candidates_with_ties_and_few_tiles():
 
 
 def test_transition_switch_is_checked(monkeypatch):
-    from dspine.decoding import scores_table
+    from dspine.kernels.transition import LOWRANK_MIN_BLOCKS, lowrank_wanted
 
+    monkeypatch.delenv("DSPINE_TRANSITION", raising=False)
+    assert not lowrank_wanted(LOWRANK_MIN_BLOCKS - 1) and lowrank_wanted(LOWRANK_MIN_BLOCKS)
+    monkeypatch.setenv("DSPINE_TRANSITION", "lowrank")
+    assert lowrank_wanted(1)
+    monkeypatch.setenv("DSPINE_TRANSITION", "eager")
+    assert not lowrank_wanted(10**6)
     monkeypatch.setenv("DSPINE_TRANSITION", "fast")
-    inj, norm = _inj(64, 32, 32, torch.float32, 0), RMSNorm(64, 1e-6).to(DEV)
-    head, codes = torch.randn(50, 64, device=DEV), torch.randn(50, 32, device=DEV)
-    h_pre, f = torch.randn(2, 8, 64, device=DEV), torch.randn(2, 8, 32, device=DEV)
-    cand = torch.randint(0, 50, (2, 7, 4), device=DEV)
-    with torch.no_grad():
-        if CUDA:  # the switch is read where the s-wide form could run: CUDA without autograd
-            with pytest.raises(ValueError, match="DSPINE_TRANSITION"):
-                scores_table(inj, norm, head, codes, h_pre, f, cand, False)
-        monkeypatch.setenv("DSPINE_TRANSITION", "eager")
-        ref = scores_table(inj, norm, head, codes, h_pre, f, cand, False)
-    assert torch.equal(ref, transition_scores(inj, norm, head, codes, h_pre, f, cand))
+    with pytest.raises(ValueError, match="DSPINE_TRANSITION"):
+        lowrank_wanted(1)
 
 
 def test_sampled_walk_takes_each_candidate_with_its_probability():
