@@ -48,7 +48,12 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/dspine-scale")
     ap.add_argument("--kernels", help="bench/kernels.py JSON at this width (injection, transition per round)")
     ap.add_argument("--out", default=None, help="JSON (default: WORK/sglang_scale.json); .md written beside it")
-    ap.add_argument("--summary", help="summary.json: its `speed_scale` section is rewritten")
+    ap.add_argument("--summary", help="summary.json: its --section is rewritten")
+    ap.add_argument(
+        "--section",
+        default="speed_scale",
+        help="the summary's section (speed_scale; e.g. speed_scale_long for a --max-new-tokens 2048 run at c=1)",
+    )
     ap.add_argument(
         "--profile",
         type=int,
@@ -76,6 +81,7 @@ def main() -> int:
         work=a.work,
         out=a.out,
         summary=a.summary,
+        section=a.section,
         kernels=a.kernels,
         measured_tau=measured,
         profile_requests=a.profile,

@@ -92,6 +92,8 @@ def test_shape_from_a_config_file_and_bad_shapes(tmp_path):
         ScaleConfig(profile_requests=-1).validate()
     with pytest.raises(ConfigError, match="attention_backend 'fa2'"):
         ScaleConfig(attention_backend="fa2").validate()
+    with pytest.raises(ConfigError, match="section 'acceptance'"):
+        ScaleConfig(section="acceptance").validate()  # a run must not overwrite another part of the summary
 
 
 def test_projection_arithmetic():

@@ -316,6 +316,7 @@ class ScaleConfig:
     work: str = "/tmp/dspine-scale"
     out: str | None = None
     summary: str | None = None
+    section: str = "speed_scale"  # the summary's section this run rewrites (e.g. speed_scale_long)
     kernels: str | None = None  # bench/kernels.py JSON at this shape (injection, transition per round)
     measured_tau: dict[str, float] = field(default_factory=dict)  # {method: τ} on the real target
     profile_requests: int = 0  # per drafter server: requests decoded at c=1 under SGLang's profiler (0: none)
@@ -330,6 +331,8 @@ class ScaleConfig:
             raise ConfigError(f"methods {self.methods}: a subset of ar, dflash, dspine that includes ar")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend {self.attention_backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
+        if not self.section.startswith("speed_scale"):
+            raise ConfigError(f"section {self.section!r}: the summary's SGLang-at-scale sections are speed_scale*")
         if self.profile_requests < 0 or self.profile_tokens < 1:
             raise ConfigError("profile_requests must be >= 0 and profile_tokens >= 1")
         bad = [t for t in self.taus if not 1 <= t <= self.block]
@@ -448,7 +451,7 @@ def run_scale(cfg: ScaleConfig) -> dict:
     md = out.with_suffix(".md")
     atomic_write_text(md, scale_markdown(whole))
     if cfg.summary:
-        update_summary(cfg.summary, "speed_scale", scale_section(whole))
+        update_summary(cfg.summary, cfg.section, scale_section(whole))
     return whole
 
 
