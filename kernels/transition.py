@@ -229,10 +229,10 @@ def lowrank_transition_scores(
     W = inj.write.weight.float()  # (d, s)
     gamma = norm.weight.float()
     succ = head[cand[:, 1:]].to(dt)  # (N, B-2, K, d)
-    along = torch.matmul(succ, (x.float() * gamma).to(dt)[..., None]).squeeze(-1).float()  # <W_out[b] ⊙ γ, x>
+    xf = x.float()
+    along = torch.matmul(succ, (xf * gamma).to(dt)[..., None]).squeeze(-1).float()  # <W_out[b] ⊙ γ, x>
     across = torch.matmul(succ, (gamma[:, None] * W).to(dt)).float()  # (N, B-2, K, s): (W_out[b] ⊙ γ)ᵀ W
     num = along[..., None, :] + torch.matmul(m, across.transpose(-1, -2))  # (N, B-2, K_a, K_b)
-    xf = x.float()
     u = torch.matmul(xf, W)  # (N, B-2, s): Wᵀ x
     sq = xf.pow(2).sum(-1, keepdim=True) + 2 * (m * u[..., None, :]).sum(-1)
     sq = sq + (torch.matmul(m, W.t() @ W) * m).sum(-1)  # (N, B-2, K_a): |x + W m_a|²
