@@ -202,7 +202,12 @@ def load_drafter(
         raise CheckpointError(f"{wfile}: weight shapes do not match the config: {bad[:4]}")
     model.load_state_dict(state, strict=True)
     stored = next(v.dtype for k, v in state.items() if k not in DERIVED)
-    model = model.to(device=device, dtype=dtype or stored).eval()
+    if dtype == torch.qint8:  # int8 weights over fp32 activations (draft_dtype "int8")
+        if torch.device(device).type != "cpu":
+            raise CheckpointError(f"int8 drafting runs on the CPU only, not {device}")
+        model = model.to(device=device, dtype=torch.float32).eval().decode_int8()
+    else:
+        model = model.to(device=device, dtype=dtype or stored).eval()
     return model.bind(target) if target is not None else model  # borrowed tensors in the final dtype
 
 
@@ -276,18 +281,28 @@ def load_at(
 
 def draft_dtype(name: str | None, target_dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
     """The dtype a drafter decodes in. Drafts need no exactness (the target verifies every token in its own
-    dtype), so "auto" is bfloat16 on a CPU with native bf16 matrix instructions — half the bytes per draft
-    and candidate head — and the target's dtype elsewhere; None is the target's dtype."""
+    dtype). "int8" (torch.qint8 here, as `load_drafter` takes it): int8 weights over fp32 activations, CPU only
+    (packing.py). "auto": on a CPU, bfloat16 where it has native bf16 matrix instructions, else int8 — a half or
+    a quarter of the bytes per draft and candidate head; the target's dtype elsewhere. None: the target's."""
     if name is None:
         return target_dtype
     if name not in DRAFT_DTYPES:
         raise CheckpointError(f"draft dtype {name!r} is not one of {list(DRAFT_DTYPES)}")
+    if name == "int8":
+        from dspine.packing import int8_linears_available
+
+        if torch.device(device).type != "cpu" or not int8_linears_available():
+            raise CheckpointError("draft dtype int8 needs a CPU and torch's fbgemm quantized engine")
+        return torch.qint8
     if name != "auto":
         return getattr(torch, name)
-    cpu_bf16 = torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-    if cpu_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if torch.device(device).type != "cpu":
+        return target_dtype
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16
-    return target_dtype
+    from dspine.packing import int8_linears_available
+
+    return torch.qint8 if int8_linears_available() else target_dtype
 
 
 def load_models(target_spec: str, dtype: str, device: str, drafters: dict, drafter_dtype: str | None = None) -> tuple:

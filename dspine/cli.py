@@ -54,7 +54,8 @@ def _add_draft_dtype(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=DRAFT_DTYPES,
         help="dtype the drafter decodes in; drafts need no exactness (the target verifies every token in "
-        "--dtype), so auto is bfloat16 on a CPU with native bf16 instructions, else --dtype (default: %(default)s)",
+        "--dtype), so auto is, on a CPU, bfloat16 where it has native bf16 instructions, else int8 (int8 weights, "
+        "fp32 activations); elsewhere --dtype (default: %(default)s)",
     )
 
 
@@ -347,8 +348,8 @@ def _add_bench(sub) -> None:
         "--draft-dtype",
         default="auto",
         help="dtype(s) the drafters decode in, comma-separated to compare them side by side (each drafter then "
-        "reported as NAME/DTYPE): auto (bfloat16 on a CPU with native bf16 instructions, else --dtype), "
-        "float32, bfloat16, float16 (default: %(default)s)",
+        "reported as NAME/DTYPE): auto (on a CPU bfloat16 with native bf16 instructions, else int8; elsewhere "
+        "--dtype), float32, bfloat16, float16, int8 (CPU: int8 weights, fp32 activations) (default: %(default)s)",
     )
     bn.add_argument(
         "--backend",

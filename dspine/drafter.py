@@ -279,6 +279,7 @@ class DSpineDraftModel(nn.Module):
         self._head: torch.Tensor | None = None  # (V, d) target output head
         self._source: int | None = None  # data pointer of the target embedding the two above were taken from
         pack_linears(self)  # fp32 CPU decoding through oneDNN's packed weights (packing.py); training unchanged
+        self.int8 = False  # decode_int8: CPU decoding through int8 weights
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -363,9 +364,20 @@ class DSpineDraftModel(nn.Module):
         cs = rope_angles(pos, self.config.head_dim, self.config.rope_theta)
         return [layer.self_attn.kv(c, cs) for layer in self.layers]
 
+    def decode_int8(self) -> DSpineDraftModel:
+        """Decode on the CPU through int8 copies of the linears and of the candidate head (packing.py), the fp32
+        weights kept for training and saving; the transition cache still reads the head's fp32 rows. `fc` stays
+        fp32: its inputs, the target's raw hidden states, carry outlier channels that the per-tensor int8
+        activations of a dynamic linear flatten (that alone cost most of τ, measured)."""
+        for name, mod in self.named_children():
+            if name != "fc":
+                pack_linears(mod, int8=True)
+        self.int8 = True
+        return self
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (..., d) -> logits (..., V) through the drafter's final norm and the target head."""
-        return linear(self.norm(h), self.head.to(h.dtype)).float()
+        return linear(self.norm(h), self.head.to(h.dtype), int8=self.int8).float()
 
     def block_inputs(self, anchor: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
         """anchor (N, nb) token ids -> block token ids (N, nb, B): [anchor, mask, ..., mask]."""

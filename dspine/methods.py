@@ -8,4 +8,4 @@ VARIANTS = {  # drafter method -> which layers inject ("all" | "last" | "none")
 }
 METHODS = ("ar", *VARIANTS)  # ar: the target alone
 # what a drafter may decode in (checkpoint.draft_dtype)
-DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64", "int8")

@@ -1,4 +1,5 @@
-"""fp32 linears on the CPU through oneDNN's prepacked weights (what torch's CPU inductor uses for frozen weights).
+"""fp32 linears on the CPU through oneDNN's prepacked weights (what torch's CPU inductor uses for frozen weights),
+and, for drafters only, through int8 weights.
 
 For the few rows of a decode step, a verify or a drafter block, oneDNN's packed kernels are faster than the BLAS
 GEMM `F.linear` calls, whose speed also jumps around with the number of rows; and each row's result is the same
@@ -9,18 +10,26 @@ DSPINE_CPU_PACKED=1 and =0 (bench/results/README.md).
 Only where nothing is differentiated and everything is fp32 on the CPU; anything else takes the plain path, so
 training is unchanged. The packed copy follows its weight: repacked after an in-place change (the optimizer's
 step, a load) or when the tensor is replaced. DSPINE_CPU_PACKED=0 turns it off.
+
+int8 (`pack_linears(model, int8=True)`, `linear(..., int8=True)`): the weight quantised per output channel
+(symmetric, scale = max|w| / 127) and prepacked once for fbgemm's dynamic linear, which quantises each call's
+activations per tensor and accumulates in int32 — a quarter of the fp32 bytes, where a CPU decode step is bound
+by memory traffic. Only for drafts, which need no exactness (the target verifies every token in its own dtype);
+never for a target.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import warnings
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 _PACKED: dict[int, tuple] = {}  # id(holder) -> (weakref to holder, weight key, packed weight); dropped with it
+_INT8: dict[int, tuple] = {}  # the same for int8 prepacked weights
 
 
 def packed_linears_available() -> bool:
@@ -30,6 +39,12 @@ def packed_linears_available() -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+def int8_linears_available() -> bool:
+    """fbgemm's (x86) dynamic int8 linear exists in this torch."""
+    engines = torch.backends.quantized.supported_engines
+    return ("x86" in engines or "fbgemm" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
 def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -48,28 +63,67 @@ def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, holder) ->
     return torch.ops.mkldnn._linear_pointwise(x, entry[2], b, "none", [], "")
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b): x (..., in), w (out, in) -> (..., out), packed where that applies. The packed copy is
-    kept for the weight tensor while it lives; never pickled or copied with it."""
-    if _packable(x, w) and packed_linears_available():
-        return _packed(x, w, b, w)
+def quantize_int8(w: torch.Tensor, b: torch.Tensor | None = None):
+    """w (out, in) fp32 -> fbgemm's prepacked int8 weight (per-channel symmetric scales) with bias b."""
+    w = w.detach().float().contiguous()
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()
+    zero = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # quantized tensors are deprecated in torch; fbgemm's dynamic linear is not gone
+        warnings.simplefilter("ignore")
+        qw = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(qw, None if b is None else b.detach().float())
+
+
+def _int8(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, holder) -> torch.Tensor:
+    key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+    entry = _INT8.get(id(holder))
+    if entry is None or entry[0]() is not holder or entry[1] != key:
+        hid = id(holder)
+        ref = weakref.ref(holder, lambda _, hid=hid: _INT8.pop(hid, None))
+        entry = _INT8[hid] = (ref, key, quantize_int8(w, b))
+    shape = x.shape
+    y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).contiguous(), entry[2], True)
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
+    """F.linear(x, w, b): x (..., in), w (out, in) -> (..., out), packed where that applies (`int8`: through int8
+    weights, see the module's docstring). The packed copy is kept for the weight tensor while it lives; never
+    pickled or copied with it."""
+    if _packable(x, w):
+        if int8:
+            return _int8(x, w, b, w)
+        if packed_linears_available():
+            return _packed(x, w, b, w)
     return F.linear(x, w, b)
 
 
 def _forward(mod: torch.nn.Linear, plain, x: torch.Tensor) -> torch.Tensor:
-    # availability was settled when the module was routed (pack_linears); the packed copy is kept for the module
-    return _packed(x, mod.weight, mod.bias, mod) if _packable(x, mod.weight) else plain(x)
+    # the packed copy is kept for the module (pack_linears routed it here)
+    if not _packable(x, mod.weight):
+        return plain(x)
+    if mod.__dict__.get("_dspine_int8"):
+        return _int8(x, mod.weight, mod.bias, mod)
+    return _packed(x, mod.weight, mod.bias, mod) if packed_linears_available() else plain(x)
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Route the model's nn.Linear layers through oneDNN where it is available; returns how many were routed
-    (none twice)."""
-    if not packed_linears_available():
-        return 0
+def pack_linears(model: torch.nn.Module, int8: bool = False) -> int:
+    """Route the model's nn.Linear layers through oneDNN where it is available, or (`int8`) through int8 weights
+    (an error where fbgemm is missing); returns how many were routed anew or switched between the two (none twice)."""
+    if int8 and not int8_linears_available():
+        raise RuntimeError("int8 linears need torch's fbgemm (x86) quantized engine, which this torch lacks")
+    wrap = int8 or packed_linears_available()
     n = 0
     for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and "_dspine_plain" not in mod.__dict__:
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        if "_dspine_plain" not in mod.__dict__:
+            if not wrap:
+                continue
             mod.__dict__["_dspine_plain"] = plain = mod.forward
             mod.forward = functools.partial(_forward, mod, plain)
-            n += 1
+        elif mod.__dict__.get("_dspine_int8", False) == int8:
+            continue
+        mod.__dict__["_dspine_int8"] = int8
+        n += 1
     return n

@@ -44,14 +44,17 @@ def test_shipped_weights_are_bf16_without_the_code_table(smollm2, shipped):
     assert torch.equal(shipped.transfer_codes, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.qint8])
 def test_shipped_drafter_is_lossless_and_trained(smollm2, shipped, dtype):
     """Exact AR output at T = 0 on held-out benchmark prompts, and more than one token per round (a drafter
     whose weights were lost or mis-mapped serves tau = 1.0 while still being lossless) — also when it
-    drafts in bf16 beside the fp32 target (the CPU default, `--draft-dtype auto`), reading a bf16 copy of
-    the target's head made once, not per call."""
-    drafter = shipped if dtype == torch.float32 else load_drafter(builtin_drafter("smollm2-135m-instruct"), smollm2)
-    assert drafter.fc.weight.dtype == dtype and drafter.head.dtype == dtype
+    drafts in bf16 beside the fp32 target, reading a bf16 copy of the target's head made once, not per call,
+    and in int8 (`--draft-dtype auto` on a CPU without native bf16): fp32 weights kept, int8 copies used."""
+    path = builtin_drafter("smollm2-135m-instruct")
+    drafter = shipped if dtype == torch.float32 else load_drafter(path, smollm2, dtype=dtype)
+    stored = torch.float32 if dtype == torch.qint8 else dtype
+    assert drafter.fc.weight.dtype == stored and drafter.head.dtype == stored
+    assert drafter.int8 == (dtype == torch.qint8)
     spec, ar = Engine(smollm2, drafter), Engine(smollm2)
     taus = []
     for item in load_benchmark("gsm8k", limit=2 if dtype == torch.float32 else 1):
@@ -100,7 +103,8 @@ def test_cpu_defaults_of_serve_and_generate(smollm2, shipped):
     """On a CPU, serve/generate verify 3 drafts per round unless told otherwise (each draft is a target row there),
     the drafter runs only the block slots that are verified, and batched rounds of more than 2 open requests
     decode AR (--spec-max-batch);
-    the drafter's dtype: auto is bf16 only on a CPU with native bf16 instructions, else the target's."""
+    the drafter's dtype: auto is bf16 on a CPU with native bf16 instructions, else int8 there; the target's
+    elsewhere."""
     from dspine.checkpoint import CheckpointError, draft_dtype
     from dspine.cli import UsageError, _engine
 
@@ -114,8 +118,11 @@ def test_cpu_defaults_of_serve_and_generate(smollm2, shipped):
     with pytest.raises(UsageError, match="draft_len must be in"):
         _engine(smollm2, shipped, 16)
     native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert draft_dtype("auto", torch.float32, "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert draft_dtype("auto", torch.float32, "cpu") == (torch.bfloat16 if native else torch.qint8)
     assert draft_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
     assert draft_dtype(None, torch.float32, "cpu") == torch.float32
-    with pytest.raises(CheckpointError, match="draft dtype 'int8' is not one of"):
-        draft_dtype("int8", torch.float32, "cpu")
+    assert draft_dtype("int8", torch.float32, "cpu") == torch.qint8
+    with pytest.raises(CheckpointError, match="draft dtype 'int4' is not one of"):
+        draft_dtype("int4", torch.float32, "cpu")
+    with pytest.raises(CheckpointError, match="int8 needs a CPU"):
+        draft_dtype("int8", torch.float32, "cuda")

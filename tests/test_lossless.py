@@ -360,6 +360,37 @@ def test_packed_linears_are_row_invariant_and_follow_their_weights(tiny):
     assert pack_linears(target.model) == 0  # already routed: nothing wrapped twice
 
 
+def test_int8_linears_approximate_and_follow_their_weights():
+    """Drafts may decode through int8 weights (packing.py): close to fp32 (per-channel weights, per-tensor
+    activations), requantised after an in-place change, the plain path under autograd, and routing again
+    switches a module back to fp32."""
+    from dspine.packing import int8_linears_available, linear, pack_linears, packed_linears_available
+
+    assert int8_linears_available()  # the x86 CPUs CI and users run on
+    g = torch.Generator().manual_seed(0)
+    mod = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False))
+    x = torch.randn(5, 2, 64, generator=g)
+    with torch.no_grad():
+        want = mod(x)
+        assert pack_linears(mod, int8=True) == 2 and pack_linears(mod, int8=True) == 0
+        got = mod(x)
+        assert got.shape == want.shape and not torch.equal(got, want)
+        assert ((got - want).norm() / want.norm()) < 0.03
+        mod[1].weight.mul_(2)
+        torch.testing.assert_close(mod(x), 2 * got, rtol=0.03, atol=0.03)
+        mod[1].weight.div_(2)
+        w = torch.randn(1000, 64, generator=g)
+        y = linear(x, w, int8=True)
+        assert ((y - x @ w.t()).norm() / (x @ w.t()).norm()) < 0.03
+        assert y.topk(1).indices.eq((x @ w.t()).topk(5).indices).any(-1).all()  # the best stays among the top 5
+    xg = x.clone().requires_grad_(True)
+    mod(xg).sum().backward()  # autograd: fp32 weights, exact gradient
+    torch.testing.assert_close(xg.grad, (mod[1].weight @ mod[0].weight).sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
+    assert pack_linears(mod) == (2 if packed_linears_available() else 0)
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_multi_row_forwards_keep_kv_head_groups(tiny, monkeypatch):
     """A CPU target with grouped KV heads attends through target._sdpa_gqa: a masked multi-row forward on a
     cache (a verify) never repeats the cache once per head group (transformers' repeat_kv copy, which made a
