@@ -843,8 +843,8 @@ def cmd_bench(a) -> int:
 
 
 def _dtype_tag(dtype: str) -> str:
-    """float32 -> fp32, torch.bfloat16 -> bf16: how row names carry a dtype."""
-    return dtype.removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
+    """float32 -> fp32, torch.bfloat16 -> bf16, torch.qint8 -> int8: how row names carry a dtype."""
+    return dtype.removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp").replace("qint8", "int8")
 
 
 def _bench_models(a, specs: dict[str, str]):
@@ -864,7 +864,7 @@ def _bench_models(a, specs: dict[str, str]):
         dt = draft_dtype(x, target.dtype, a.device)
         tag = _dtype_tag(str(dt))
         for n, d in drafters.items():
-            out[f"{n}/{tag}"] = d if d.fc.weight.dtype == dt else load_at(specs[n], target, dt, a.device)
+            out[f"{n}/{tag}"] = d if d.decode_dtype == dt else load_at(specs[n], target, dt, a.device)
     return target, out
 
 

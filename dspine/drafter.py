@@ -375,6 +375,11 @@ class DSpineDraftModel(nn.Module):
         self.int8 = True
         return self
 
+    @property
+    def decode_dtype(self) -> torch.dtype:
+        """What it decodes in, as checkpoint.draft_dtype names it (torch.qint8 for int8)."""
+        return torch.qint8 if self.int8 else self.fc.weight.dtype
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (..., d) -> logits (..., V) through the drafter's final norm and the target head."""
         return linear(self.norm(h), self.head.to(h.dtype), int8=self.int8).float()

@@ -106,7 +106,7 @@ def test_cpu_defaults_of_serve_and_generate(smollm2, shipped):
     the drafter's dtype: auto is bf16 on a CPU with native bf16 instructions, else int8 there; the target's
     elsewhere."""
     from dspine.checkpoint import CheckpointError, draft_dtype
-    from dspine.cli import UsageError, _engine
+    from dspine.cli import UsageError, _dtype_tag, _engine
 
     got = _engine(smollm2, shipped, None)
     assert (got.draft_len, got.draft_block, got.spec_max_batch) == (3, 4, 2)
@@ -121,7 +121,7 @@ def test_cpu_defaults_of_serve_and_generate(smollm2, shipped):
     assert draft_dtype("auto", torch.float32, "cpu") == (torch.bfloat16 if native else torch.qint8)
     assert draft_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
     assert draft_dtype(None, torch.float32, "cpu") == torch.float32
-    assert draft_dtype("int8", torch.float32, "cpu") == torch.qint8
+    assert draft_dtype("int8", torch.float32, "cpu") == torch.qint8 and _dtype_tag(str(torch.qint8)) == "int8"
     with pytest.raises(CheckpointError, match="draft dtype 'int4' is not one of"):
         draft_dtype("int4", torch.float32, "cpu")
     with pytest.raises(CheckpointError, match="int8 needs a CPU"):
