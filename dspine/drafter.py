@@ -15,7 +15,9 @@ Design choices
 - Variants are config flags (`VARIANTS`): dspine injects after every layer, post_backbone after the last
   only, dflash never; the transition cache (decoding.py) is on whenever the last layer injects.
 - On CUDA at inference the injection runs as one fused Triton kernel per layer (kernels/injection.py; this
-  file's `Injection` is its reference); training and CPUs use the reference.
+  file's `Injection` is its reference); training and CPUs use the reference. On a CPU the drafter may decode
+  through int8 copies of its linears and of the candidate head (`decode_int8`, packing.py); its weights stay as
+  trained and saved.
 - One forward serves inference (one block per row, context K/V from a cache) and training (many blocks
   per sequence in one attention call under a block mask).
 """
