@@ -42,9 +42,11 @@ def packed_linears_available() -> bool:
 
 
 def int8_linears_available() -> bool:
-    """fbgemm's (x86) dynamic int8 linear exists in this torch."""
+    """fbgemm's (x86) dynamic int8 linear exists in this torch (torch has deprecated quantized tensors, which
+    `quantize_int8` builds the prepacked weight from: where they are gone, drafts stay in fp32)."""
     engines = torch.backends.quantized.supported_engines
-    return ("x86" in engines or "fbgemm" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
+    ops = hasattr(torch, "quantize_per_channel") and hasattr(torch.ops.quantized, "linear_dynamic")
+    return ("x86" in engines or "fbgemm" in engines) and ops
 
 
 def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
