@@ -25,6 +25,7 @@ from dspine.config import ConfigError, from_dict
 from dspine.drafter import DSPINE_SECTION, DSpineConfig, DSpineDraftModel
 from dspine.io import atomic_dir
 from dspine.methods import DRAFT_DTYPES
+from dspine.packing import int8_linears_available
 
 ARCH = "DSpineDraftModel"
 _TOP = (
@@ -289,8 +290,6 @@ def draft_dtype(name: str | None, target_dtype: torch.dtype, device: str | torch
     if name not in DRAFT_DTYPES:
         raise CheckpointError(f"draft dtype {name!r} is not one of {list(DRAFT_DTYPES)}")
     if name == "int8":
-        from dspine.packing import int8_linears_available
-
         if torch.device(device).type != "cpu" or not int8_linears_available():
             raise CheckpointError("draft dtype int8 needs a CPU and torch's fbgemm quantized engine")
         return torch.qint8
@@ -300,8 +299,6 @@ def draft_dtype(name: str | None, target_dtype: torch.dtype, device: str | torch
         return target_dtype
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16
-    from dspine.packing import int8_linears_available
-
     return torch.qint8 if int8_linears_available() else target_dtype
 
 

@@ -55,14 +55,21 @@ def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
 
 
-def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, holder) -> torch.Tensor:
-    key = (w.data_ptr(), w._version)
-    entry = _PACKED.get(id(holder))
+def _kept(store: dict, holder, key: tuple, make):
+    """The copy `store` keeps for `holder` (made again when `key` — the weight's pointer and version — changed)."""
+    entry = store.get(id(holder))
     if entry is None or entry[0]() is not holder or entry[1] != key:
         hid = id(holder)
-        ref = weakref.ref(holder, lambda _, hid=hid: _PACKED.pop(hid, None))
-        entry = _PACKED[hid] = (ref, key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-    return torch.ops.mkldnn._linear_pointwise(x, entry[2], b, "none", [], "")
+        ref = weakref.ref(holder, lambda _, hid=hid: store.pop(hid, None))
+        entry = store[hid] = (ref, key, make())
+    return entry[2]
+
+
+def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, holder) -> torch.Tensor:
+    packed = _kept(
+        _PACKED, holder, (w.data_ptr(), w._version), lambda: torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+    )
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
 def quantize_int8(w: torch.Tensor, b: torch.Tensor | None = None):
@@ -77,14 +84,10 @@ def quantize_int8(w: torch.Tensor, b: torch.Tensor | None = None):
 
 
 def _int8(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, holder) -> torch.Tensor:
-    key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
-    entry = _INT8.get(id(holder))
-    if entry is None or entry[0]() is not holder or entry[1] != key:
-        hid = id(holder)
-        ref = weakref.ref(holder, lambda _, hid=hid: _INT8.pop(hid, None))
-        entry = _INT8[hid] = (ref, key, quantize_int8(w, b))
+    key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))  # the bias is packed in
+    packed = _kept(_INT8, holder, key, lambda: quantize_int8(w, b))
     shape = x.shape
-    y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).contiguous(), entry[2], True)
+    y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).contiguous(), packed, True)
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -104,28 +107,34 @@ def _forward(mod: torch.nn.Linear, plain, x: torch.Tensor) -> torch.Tensor:
     # the packed copy is kept for the module (pack_linears routed it here)
     if not _packable(x, mod.weight):
         return plain(x)
-    if mod.__dict__.get("_dspine_int8"):
+    if mod.__dict__["_dspine_int8"]:
         return _int8(x, mod.weight, mod.bias, mod)
-    return _packed(x, mod.weight, mod.bias, mod) if packed_linears_available() else plain(x)
+    return _packed(x, mod.weight, mod.bias, mod)
 
 
 def pack_linears(model: torch.nn.Module, int8: bool = False) -> int:
     """Route the model's nn.Linear layers through oneDNN where it is available, or (`int8`) through int8 weights
-    (an error where fbgemm is missing); returns how many were routed anew or switched between the two (none twice)."""
+    (an error where fbgemm is missing); returns how many were routed anew, switched between the two, or (fp32
+    asked where oneDNN is missing) given back their plain forward — none twice."""
     if int8 and not int8_linears_available():
         raise RuntimeError("int8 linears need torch's fbgemm (x86) quantized engine, which this torch lacks")
-    wrap = int8 or packed_linears_available()
+    wrap = int8 or packed_linears_available()  # settled here, not per call
     n = 0
     for mod in model.modules():
         if not isinstance(mod, torch.nn.Linear):
             continue
-        if "_dspine_plain" not in mod.__dict__:
-            if not wrap:
-                continue
+        routed = "_dspine_plain" in mod.__dict__
+        if not wrap:
+            if routed:
+                for k in ("forward", "_dspine_plain", "_dspine_int8"):  # the class's forward again
+                    del mod.__dict__[k]
+                n += 1
+            continue
+        if routed and mod.__dict__["_dspine_int8"] == int8:
+            continue
+        if not routed:
             mod.__dict__["_dspine_plain"] = plain = mod.forward
             mod.forward = functools.partial(_forward, mod, plain)
-        elif mod.__dict__.get("_dspine_int8", False) == int8:
-            continue
         mod.__dict__["_dspine_int8"] = int8
         n += 1
     return n
