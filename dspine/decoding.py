@@ -12,11 +12,17 @@ Sampling: slot 1 (whose predecessor, the anchor, is already decoded) samples fro
 distribution; its candidate set is made to contain the sampled token (it replaces the K-th candidate), so
 the walk can continue. Slots >= 2 sample from the warped scores over their K candidates. The proposal
 distribution q returned is exactly what each token was sampled from — what lossless verification needs.
+
+Draft trees (greedy): the same table ranks every slot's candidates after each candidate of the slot before,
+so a static tree of rank paths costs no extra drafter work — "0000.1.01" is the walk's chain of 4, plus slot
+1's second candidate, plus the second-best successor of slot 1's first (`DraftTree`); the target verifies
+all of its nodes in one forward under a tree mask (verify.verify_tree_greedy).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -150,6 +156,81 @@ def greedy_transition_walk(
 
         return fused_walk_greedy(cand, S)
     return walk_greedy(cand, S)
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A static draft tree of rank paths: node (r1, ..., rt) is the r_t-th best candidate of slot t after its
+    parent's token (slot 1: r1-th of slot 1's own candidates; 0 = best), ranked by the transition table, or by
+    each slot's own logits for a drafter without one. `parse` takes the leaves, '.'-separated digit strings
+    ("0000.1.01"), and adds every prefix; nodes are kept parents first (by depth, then rank)."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def parse(cls, spec: str) -> DraftTree:
+        leaves = [x.strip() for x in str(spec).split(".")]
+        if not all(x.isdigit() for x in leaves):
+            raise ValueError(f"draft tree {spec!r}: leaves are '.'-separated strings of rank digits, e.g. 0000.1.01")
+        nodes = {tuple(int(c) for c in x[:n]) for x in leaves for n in range(1, len(x) + 1)}
+        return cls(tuple(sorted(nodes, key=lambda p: (len(p), p))))
+
+    def __str__(self) -> str:
+        leaves = [p for p in self.paths if not any(q[:-1] == p for q in self.paths)]
+        return ".".join("".join(map(str, p)) for p in sorted(leaves))
+
+    @property
+    def depth(self) -> int:
+        return len(self.paths[-1])
+
+    @property
+    def max_rank(self) -> int:
+        return max(max(p) for p in self.paths)
+
+    @cached_property
+    def parents(self) -> tuple[int, ...]:
+        """Each node's parent node index; -1: the anchor."""
+        at = {p: i for i, p in enumerate(self.paths)}
+        return tuple(at[p[:-1]] if len(p) > 1 else -1 for p in self.paths)
+
+    @cached_property
+    def depths(self) -> torch.Tensor:
+        """(n+1,) positions after the anchor's: 0 for the anchor, then each node's depth."""
+        return torch.tensor([0] + [len(p) for p in self.paths])
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """(n+1, n+1) bool over [anchor, nodes]: each row sees the anchor, its ancestors and itself."""
+        n = len(self.paths)
+        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        m[:, 0] = True
+        for i, par in enumerate(self.parents):
+            m[i + 1, i + 1] = True
+            if par >= 0:
+                m[i + 1] |= m[par + 1]
+        return m
+
+
+def propose_tree(drafter: DSpineDraftModel, out: DraftOutput, tree: DraftTree) -> list[int]:
+    """One block (N = 1) -> the greedy tree's node tokens, in tree.paths order. The drafter ran at least
+    tree.depth + 1 slots."""
+    cfg = drafter.config
+    D = tree.depth
+    logits = drafter.logits(out.hidden[:, 0, 1 : D + 1])  # (1, D, V)
+    cand = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).indices  # (1, D, K)
+    order = None
+    if cfg.transition_cache and D > 1:
+        last = cfg.num_hidden_layers - 1
+        inj = drafter.injections[str(last)]
+        h_pre, f = out.h_pre[:, 0, : D + 1], out.feats[last][:, 0, : D + 1]
+        S = scores_table(inj, drafter.norm, drafter.head, drafter.transfer_codes, h_pre, f, cand, False)
+        order = S[0].argsort(-1, descending=True).tolist()  # (D-1, K, K): successors of each candidate, best first
+    cand = cand[0].tolist()
+    idx: list[int] = []
+    for path, par in zip(tree.paths, tree.parents):
+        t, r = len(path), path[-1]
+        idx.append(r if order is None or t == 1 else order[t - 2][idx[par]][r])
+    return [cand[len(p) - 1][i] for p, i in zip(tree.paths, idx)]
 
 
 def propose(

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspine.decoding import propose
+from dspine.decoding import DraftTree, propose, propose_tree
 from dspine.drafter import DSpineDraftModel, block_attention_mask
 from dspine.sampling import RequestError, SamplingParams, penalize, sample, warp_probs
 from dspine.stats import AcceptanceStats
 from dspine.target import Target
-from dspine.verify import verify_greedy, verify_sampled
+from dspine.verify import verify_greedy, verify_sampled, verify_tree_greedy
 
 
 @dataclass
@@ -148,6 +148,7 @@ class Engine:
         draft_len: int | None = None,
         draft_block: int | None = None,
         spec_max_batch: int | None = None,
+        tree: DraftTree | str | None = None,
     ):
         """`draft_len`: drafts verified per round (1 .. block_size-1; default block_size-1), a decode-time
         choice: each draft costs a row of the target's verify forward. `draft_block`: block slots the drafter
@@ -156,16 +157,28 @@ class Engine:
         open rows a batched round drafts for (default: no limit); a fuller batch decodes its round
         autoregressively, where verifying drafts costs more than it returns (vLLM's
         `disable_by_batch_size`). The drafter's context follows those rounds too, so drafting resumes as soon
-        as the batch is small again."""
+        as the batch is small again. `tree` (a DraftTree or its spec, decoding.py): one request's greedy rounds
+        verify that tree of drafts instead of a chain (draft_len then defaults to its depth); sampled and
+        batched rounds keep the chain."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.method = drafter.config.method if drafter is not None else "ar"
         B = drafter.config.block_size if drafter is not None else 1
+        self.tree = None
+        if tree is not None:
+            self.tree = tree if isinstance(tree, DraftTree) else DraftTree.parse(tree)
+            if drafter is None or not 1 <= self.tree.depth <= B - 1 or self.tree.max_rank >= drafter.config.top_k:
+                raise ValueError(
+                    f"draft tree {self.tree}: needs a drafter, depth in [1, {B - 1}] (block size {B}) and ranks "
+                    f"below the drafter's top_k ({drafter.config.top_k if drafter is not None else '-'})"
+                )
+            draft_len = draft_len or self.tree.depth
         if draft_len is not None and not 1 <= draft_len <= B - 1:
             raise ValueError(f"draft_len must be in [1, {B - 1}] for this drafter (block size {B}), got {draft_len}")
         self.draft_len = draft_len or max(B - 1, 0)
-        if draft_block is not None and not self.draft_len + 1 <= draft_block <= B:
-            raise ValueError(f"draft_block must be in [{self.draft_len + 1}, {B}] (draft_len + 1 .. block size)")
+        need = max(self.draft_len, self.tree.depth if self.tree else 0) + 1
+        if draft_block is not None and not need <= draft_block <= B:
+            raise ValueError(f"draft_block must be in [{need}, {B}] (drafts + 1 .. block size)")
         self.draft_block = draft_block or B
         if spec_max_batch is not None and spec_max_batch < 1:
             raise ValueError(f"spec_max_batch must be >= 1 (the most open rows a round drafts for): {spec_max_batch}")
@@ -234,6 +247,7 @@ class Engine:
         B = self.drafter.config.block_size if spec else 1
         stats = AcceptanceStats(B) if spec else None
         stop = _Stopper(tgt, params, on_token)
+        tree = self.tree if params.greedy and forced is None else None
 
         cache = tgt.new_cache()
         logits, feats = tgt.forward(torch.tensor([ids], device=dev), cache, layer_ids)
@@ -262,6 +276,9 @@ class Engine:
             block = self.drafter.block_inputs(torch.tensor([[anchor]], device=dev), self.draft_block)
             out = self.drafter(block, pos[None, None], ctx.kv)
             clock.lap("draft")
+            if tree is not None:
+                P, anchor, done = self._tree_round(tree, out, anchor, P, cache, ctx, stats, stop, clock)
+                continue
             prop = propose(self.drafter, out, params, gen, self.draft_len)
             drafts = prop.tokens  # (1, D)
             clock.lap("propose")
@@ -292,6 +309,33 @@ class Engine:
             seconds=time.perf_counter() - t0,
             timings=clock.totals,
         )
+
+
+    def _tree_round(self, tree: DraftTree, out, anchor: int, P: int, cache, ctx, stats, stop, clock):
+        """The rest of a greedy tree round after the drafter's forward -> (P, anchor, done)."""
+        tgt = self.target
+        dev = tgt.device
+        toks = propose_tree(self.drafter, out, tree)
+        clock.lap("propose")
+        n = len(toks)
+        mask = torch.ones(1, 1, n + 1, P + n + 1, dtype=torch.bool, device=dev)
+        mask[0, 0, :, P:] = tree.mask.to(dev)
+        pos = (P + tree.depths.to(dev))[None]  # (1, n+1)
+        feed = torch.tensor([[anchor] + toks], device=dev)
+        logits, feats = tgt.forward(feed, cache, self.drafter.config.target_layer_ids, mask, pos)
+        clock.lap("verify")
+        path, nxt = verify_tree_greedy(toks, tree.parents, logits[0])
+        stats.record(len(path))
+        rows = [0] + [i + 1 for i in path]
+        tgt.keep_cache(cache, P, rows)
+        ctx.extend(feats[:, rows], pos[:, rows])
+        done = False
+        for tok in [toks[i] for i in path] + [nxt]:
+            if stop.push(tok):
+                done = True
+                break
+        clock.lap("commit")
+        return P + len(rows), nxt, done
 
 
 def generate_batch(

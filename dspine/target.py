@@ -269,6 +269,18 @@ class Target:
         if extra > 0:
             cache.crop(-extra)
 
+    @staticmethod
+    def keep_cache(cache, start: int, rows: list[int]) -> None:
+        """Keep positions [0, start) and, after them, the entries at start + rows (ascending; a draft tree's
+        accepted path), dropping the rest."""
+        if rows != list(range(len(rows))):
+            src = torch.tensor(rows) + start
+            for layer in cache.layers:
+                for name in ("keys", "values"):
+                    t = getattr(layer, name)
+                    t[:, :, start : start + len(rows)] = t[:, :, src.to(t.device)]
+        Target.crop_cache(cache, start + len(rows))
+
     def new_cache(self):
         from transformers import DynamicCache
 

@@ -5,6 +5,7 @@ Sampling: chain rejection sampling against the drafter's actual proposal q — a
 probability min(1, p_k(x)/q_k(x)); at the first rejection sample from norm(max(0, p_k - q_k)); if every
 draft passes, the bonus comes from p_B. The committed tokens are then distributed exactly as AR sampling
 from p (the warped target distribution, sampling.warp_probs).
+Greedy trees: from the anchor, follow the child whose token is the target's argmax at its parent, while one is.
 """
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tens
     ok = (draft == tgt[:, :-1]).long()
     n_acc = ok.cumprod(-1).sum(-1)
     return n_acc, tgt.gather(1, n_acc[:, None])[:, 0]
+
+
+def verify_tree_greedy(tokens: list[int], parents: tuple[int, ...], logits: torch.Tensor) -> tuple[list[int], int]:
+    """Node tokens and parent indices (-1: the anchor), target logits (n+1, V) at [anchor, nodes] under the tree
+    mask -> (the accepted path's node indices, root first; the target's next token after it)."""
+    tgt = logits.argmax(-1).tolist()
+    path, row = [], 0  # row: the logits row of the last accepted node (0: the anchor)
+    while True:
+        nxt = next((i for i, (tok, par) in enumerate(zip(tokens, parents)) if par + 1 == row and tok == tgt[row]), None)
+        if nxt is None:
+            return path, tgt[row]
+        path.append(nxt)
+        row = nxt + 1
 
 
 def verify_sampled(
