@@ -46,6 +46,15 @@ DRAFT_LEN_HELP = (
     "drafts verified per round, 1..block-1 (default: 3 on a CPU, where each draft is a row of the target's verify "
     "and 3 measured fastest, bench/results/engine_cpu.md; the whole block elsewhere)"
 )
+CPU_DRAFT_TREE = "0000.1"  # greedy rounds of a single open request on a CPU (bench/results/engine_cpu.md)
+DRAFT_TREE_HELP = (
+    "greedy rounds verify this tree of drafts, one target forward for all of its nodes: its leaves as rank paths, "
+    "'.'-separated (0 = best candidate; 0000.1.01 = the best chain of 4, slot 1's second candidate, and the "
+    "second-best successor of slot 1's best; ranks follow the transition table); rounds of several requests and "
+    f"sampled ones verify a chain of --draft-len; 'none': chains only (default: {CPU_DRAFT_TREE} on a CPU without "
+    "--draft-len, "
+    "bench/results/engine_cpu.md; none elsewhere)"
+)
 
 
 def _add_draft_dtype(p: argparse.ArgumentParser) -> None:
@@ -75,6 +84,7 @@ def _add_generate(sub) -> None:
         "for the built-in target unless --method ar)",
     )
     g.add_argument("--draft-len", type=int, help=DRAFT_LEN_HELP)
+    g.add_argument("--draft-tree", help=DRAFT_TREE_HELP)
     g.add_argument(
         "--method",
         choices=METHODS,
@@ -167,6 +177,7 @@ def _add_serve(sub) -> None:
         "(AR) (default: builtin for the built-in target, else none)",
     )
     s.add_argument("--draft-len", type=int, help=DRAFT_LEN_HELP)
+    s.add_argument("--draft-tree", help=DRAFT_TREE_HELP)
     s.add_argument(
         "--spec-max-batch",
         type=int,
@@ -392,7 +403,8 @@ def _add_bench(sub) -> None:
         help="engine: measure each drafter at each of these drafts per round (comma-separated, each in "
         "1..block-1; rows NAME/dD); D:S also runs only S of the drafter's block slots (D+1..block; rows "
         "NAME/dDbS), D:S:M (or D::M) drafts only in rounds of at most M open requests (serve's "
-        "--spec-max-batch; rows NAME/dDbSmM); default: the whole block",
+        "--spec-max-batch; rows NAME/dDbSmM); D may be tTREE, a draft tree (see --draft-tree; rows NAME/tTREE...); "
+        "default: the whole block",
     )
     bn.add_argument(
         "--engine-agreement",
@@ -500,15 +512,19 @@ CPU_DRAFT_LEN = 3
 CPU_SPEC_MAX_BATCH = 2
 
 
-def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None = None):
+def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None = None, tree: str | None = None):
+    from dspine.decoding import DraftTree
     from dspine.engine import Engine
 
-    if draft_len is not None and drafter is None:
-        raise UsageError("--draft-len needs a drafter")
-    if spec_max_batch is not None and drafter is None:
-        raise UsageError("--spec-max-batch needs a drafter")
+    for flag, v in (("--draft-len", draft_len), ("--spec-max-batch", spec_max_batch), ("--draft-tree", tree)):
+        if v is not None and drafter is None:
+            raise UsageError(f"{flag} needs a drafter")
     draft_block = None
     if drafter is not None and target.device.type == "cpu":
+        default = DraftTree.parse(CPU_DRAFT_TREE)
+        cfg = drafter.config
+        if tree is None and draft_len is None and default.depth < cfg.block_size and default.max_rank < cfg.top_k:
+            tree = CPU_DRAFT_TREE
         if draft_len is None:
             draft_len = min(CPU_DRAFT_LEN, drafter.config.block_size - 1)
         if spec_max_batch is None:
@@ -516,7 +532,7 @@ def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None =
         # only the slots that are verified: the drafter's forward shrinks with them (bench/results/engine_cpu_block.md)
         draft_block = draft_len + 1
     try:
-        return Engine(target, drafter, draft_len, draft_block, spec_max_batch)
+        return Engine(target, drafter, draft_len, draft_block, spec_max_batch, None if tree == "none" else tree)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -539,7 +555,7 @@ def cmd_generate(a) -> int:
     drafter = None
     if method != "ar":
         drafter = load_drafter(a.drafter, target, dtype=_draft_dtype(a, target), device=a.device)
-    engine = _engine(target, drafter, a.draft_len)
+    engine = _engine(target, drafter, a.draft_len, tree=a.draft_tree)
     if a.chat:
         with open(a.chat) as f:
             prompt = json.load(f)
@@ -568,6 +584,8 @@ def cmd_generate(a) -> int:
             verify_rounds=res.stats.rounds,
             per_slot=[round(x, 3) for x in res.stats.per_slot],
         )
+        if engine.tree is not None and params.greedy:
+            figures["draft_tree"] = str(engine.tree)
     if a.json:
         print(json.dumps({"text": res.text, **figures}))
     else:
@@ -687,7 +705,7 @@ def cmd_serve(a) -> int:
                       grace_s=a.grace_seconds, admin_key=a.admin_key, request_timeout_s=a.request_timeout,
                       draft_dtype=a.draft_dtype)  # fmt: skip
     name = drafter_label(a.drafter) if a.drafter else None
-    engine = _engine(target, drafter, a.draft_len, a.spec_max_batch)
+    engine = _engine(target, drafter, a.draft_len, a.spec_max_batch, a.draft_tree)
     serve(engine, a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter, routes=routes)
     return 0
 
@@ -871,16 +889,26 @@ def _bench_models(a, specs: dict[str, str]):
 def _draft_lens(text: str) -> list[int | tuple]:
     """--draft-lens "8,3,3:4,3:4:2" -> [8, 3, (3, 4, None), (3, 4, 2)]: drafts per round, then optionally the
     block slots run and the most open requests a round drafts for (engine_bench)."""
+    from dspine.decoding import DraftTree
+
     out: list[int | tuple] = []
     for x in text.split(","):
         parts = x.split(":")
+        tree = parts[0][1:] if parts[0].startswith("t") else None
+        if tree is not None:
+            try:
+                tree = str(DraftTree.parse(tree))
+            except ValueError as e:
+                raise UsageError(f"--draft-lens {x!r}: {e}") from None
+            parts[0] = "1"  # checked below like a draft length
         try:
             d, s, m = [int(p) if p else None for p in parts] + [None] * (3 - len(parts))
         except ValueError:  # not integers, or more than three parts
-            raise UsageError(f"--draft-lens {x!r} is not D, D:S or D:S:M (integers)") from None
+            raise UsageError(f"--draft-lens {x!r} is not D, D:S or D:S:M (integers; D may be tTREE)") from None
         if d is None or min(v for v in (d, s, m) if v is not None) < 1:
             raise UsageError(f"--draft-lens {x!r}: D, S and M must be integers >= 1")
-        out.append((d, s, m) if len(parts) > 1 else d)
+        d = tree or d
+        out.append((d, s, m) if len(parts) > 1 or tree else d)
     return out
 
 

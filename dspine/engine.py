@@ -122,6 +122,29 @@ def _generator(device: torch.device, seed: int | None) -> torch.Generator:
     return gen
 
 
+def _tree_round(tgt: Target, drafter, tree: DraftTree, out, anchor: int, P: int, cache, ctx, visible, clock):
+    """A greedy round through a draft tree after the drafter's forward: the nodes verified in one target forward
+    under the tree mask beside the cache's `visible` (1, W) columns, the accepted path's entries kept behind them
+    (the rest dropped, in the cache and in the drafter's context) -> (the accepted drafts and the target's next
+    token, the target's raw logits each was chosen from (len, V))."""
+    dev = tgt.device
+    toks = propose_tree(drafter, out, tree)
+    clock.lap("propose")
+    n, W = len(toks), visible.shape[1]
+    att = torch.ones(1, 1, n + 1, W + n + 1, dtype=torch.bool, device=dev)
+    att[0, 0, :, :W] = visible[0]
+    att[0, 0, :, W:] = tree.mask.to(dev)
+    pos = (P + tree.depths.to(dev))[None]  # (1, n+1)
+    feed = torch.tensor([[anchor] + toks], device=dev)
+    logits, feats = tgt.forward(feed, cache, drafter.config.target_layer_ids, att, pos)
+    clock.lap("verify")
+    path, nxt = verify_tree_greedy(toks, tree.parents, logits[0])
+    rows = [0] + [i + 1 for i in path]
+    tgt.keep_cache(cache, W, rows)
+    ctx.extend(feats[:, rows], pos[:, rows])
+    return [toks[i] for i in path] + [nxt], logits[0, rows]
+
+
 class DraftContext:
     """The drafter's per-layer context K/V for committed positions (grows; block K/V are never kept)."""
 
@@ -157,9 +180,9 @@ class Engine:
         open rows a batched round drafts for (default: no limit); a fuller batch decodes its round
         autoregressively, where verifying drafts costs more than it returns (vLLM's
         `disable_by_batch_size`). The drafter's context follows those rounds too, so drafting resumes as soon
-        as the batch is small again. `tree` (a DraftTree or its spec, decoding.py): one request's greedy rounds
-        verify that tree of drafts instead of a chain (draft_len then defaults to its depth); sampled and
-        batched rounds keep the chain."""
+        as the batch is small again. `tree` (a DraftTree or its spec, decoding.py): greedy rounds of a single
+        open request verify that tree of drafts instead of a chain, the drafter running depth + 1 slots
+        (draft_len then defaults to the depth); sampled rounds and rounds of several requests keep the chain."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.method = drafter.config.method if drafter is not None else "ar"
@@ -176,9 +199,8 @@ class Engine:
         if draft_len is not None and not 1 <= draft_len <= B - 1:
             raise ValueError(f"draft_len must be in [1, {B - 1}] for this drafter (block size {B}), got {draft_len}")
         self.draft_len = draft_len or max(B - 1, 0)
-        need = max(self.draft_len, self.tree.depth if self.tree else 0) + 1
-        if draft_block is not None and not need <= draft_block <= B:
-            raise ValueError(f"draft_block must be in [{need}, {B}] (drafts + 1 .. block size)")
+        if draft_block is not None and not self.draft_len + 1 <= draft_block <= B:
+            raise ValueError(f"draft_block must be in [{self.draft_len + 1}, {B}] (draft_len + 1 .. block size)")
         self.draft_block = draft_block or B
         if spec_max_batch is not None and spec_max_batch < 1:
             raise ValueError(f"spec_max_batch must be >= 1 (the most open rows a round drafts for): {spec_max_batch}")
@@ -272,12 +294,19 @@ class Engine:
                 done = stop.push(anchor)
                 clock.lap("ar_step")
                 continue
-            pos = torch.arange(P, P + self.draft_block, device=dev)
-            block = self.drafter.block_inputs(torch.tensor([[anchor]], device=dev), self.draft_block)
+            Bd = tree.depth + 1 if tree is not None else self.draft_block
+            pos = torch.arange(P, P + Bd, device=dev)
+            block = self.drafter.block_inputs(torch.tensor([[anchor]], device=dev), Bd)
             out = self.drafter(block, pos[None, None], ctx.kv)
             clock.lap("draft")
             if tree is not None:
-                P, anchor, done = self._tree_round(tree, out, anchor, P, cache, ctx, stats, stop, clock)
+                visible = torch.ones(1, P, dtype=torch.bool, device=dev)
+                toks, _ = _tree_round(tgt, self.drafter, tree, out, anchor, P, cache, ctx, visible, clock)
+                stats.record(len(toks) - 1)
+                P += len(toks)
+                done = any(stop.push(tok) for tok in toks)
+                anchor = toks[-1]
+                clock.lap("commit")
                 continue
             prop = propose(self.drafter, out, params, gen, self.draft_len)
             drafts = prop.tokens  # (1, D)
@@ -309,33 +338,6 @@ class Engine:
             seconds=time.perf_counter() - t0,
             timings=clock.totals,
         )
-
-
-    def _tree_round(self, tree: DraftTree, out, anchor: int, P: int, cache, ctx, stats, stop, clock):
-        """The rest of a greedy tree round after the drafter's forward -> (P, anchor, done)."""
-        tgt = self.target
-        dev = tgt.device
-        toks = propose_tree(self.drafter, out, tree)
-        clock.lap("propose")
-        n = len(toks)
-        mask = torch.ones(1, 1, n + 1, P + n + 1, dtype=torch.bool, device=dev)
-        mask[0, 0, :, P:] = tree.mask.to(dev)
-        pos = (P + tree.depths.to(dev))[None]  # (1, n+1)
-        feed = torch.tensor([[anchor] + toks], device=dev)
-        logits, feats = tgt.forward(feed, cache, self.drafter.config.target_layer_ids, mask, pos)
-        clock.lap("verify")
-        path, nxt = verify_tree_greedy(toks, tree.parents, logits[0])
-        stats.record(len(path))
-        rows = [0] + [i + 1 for i in path]
-        tgt.keep_cache(cache, P, rows)
-        ctx.extend(feats[:, rows], pos[:, rows])
-        done = False
-        for tok in [toks[i] for i in path] + [nxt]:
-            if stop.push(tok):
-                done = True
-                break
-        clock.lap("commit")
-        return P + len(rows), nxt, done
 
 
 def generate_batch(
@@ -472,6 +474,9 @@ class BatchDecode:
             return
         open_rows = len(self) - sum(self.finished)
         spec = drafter is not None and (engine.spec_max_batch is None or open_rows <= engine.spec_max_batch)
+        if spec and engine.tree is not None and len(self) == 1 and params.greedy and self.counts is None:
+            if self.forced[0] is None:
+                return self._tree_step()
         Bd = engine.draft_block if spec else 1  # the slots the drafter runs
         pos = self.committed[:, None] + torch.arange(Bd, device=dev)  # (N, Bd); 1 for AR
         anchor_t = torch.tensor(self.anchors, device=dev)[:, None]
@@ -504,6 +509,21 @@ class BatchDecode:
         self.committed = self.committed + n_acc + 1
         self._commit(n_acc, nxt, prop, logits)
         self.compact()  # rows that accepted less than the round's longest leave masked holes
+
+    def _tree_step(self) -> None:
+        """A greedy round of a single-row batch through the engine's draft tree (_tree_round)."""
+        drafter, tgt, tree = self.drafter, self.engine.target, self.engine.tree
+        dev, Bd, anchor = tgt.device, tree.depth + 1, self.anchors[0]
+        pos = self.committed[:, None] + torch.arange(Bd, device=dev)  # (1, Bd)
+        mask = block_attention_mask(self.valid[:, None], Bd, drafter.config.is_causal)
+        out = drafter(drafter.block_inputs(torch.tensor([[anchor]], device=dev), Bd), pos[:, None], self.ctx.kv, mask)
+        P, clock = int(self.committed[0]), _PhaseClock(dev, False)
+        toks, raw = _tree_round(tgt, drafter, tree, out, anchor, P, self.cache, self.ctx, self.valid, clock)
+        self.valid = torch.cat([self.valid, self.valid.new_ones(1, len(toks))], 1)
+        self.committed = self.committed + len(toks)
+        self.stats[0].record(len(toks) - 1)
+        self.finished[0] = any(self._push(0, tok, raw[j]) for j, tok in enumerate(toks))
+        self.anchors[0] = toks[-1]
 
     def _forced_verdicts(self, n_acc: torch.Tensor, nxt: torch.Tensor, prop):
         """The forced rows' (accepted, next) replaced by the match of their drafts against their given text."""

@@ -9,6 +9,7 @@ from conftest import tiny_target
 
 from dspine.checkpoint import CheckpointError, load_drafter, resolve_drafter, save_drafter
 from dspine.cli import main
+from dspine.decoding import DraftTree
 from dspine.drafters import builtin_drafter
 from dspine.engine import Engine
 from dspine.sampling import SamplingParams
@@ -63,6 +64,23 @@ def test_shipped_drafter_is_lossless_and_trained(smollm2, shipped, dtype):
         assert r.token_ids == ar.generate(item.turns[0], p).token_ids
         taus.append(r.stats.tau)
     assert sum(taus) / len(taus) > 1.5, taus
+
+
+def test_generate_on_a_cpu_drafts_through_the_default_tree_losslessly(smollm2):
+    """`dspine generate`'s CPU engine: int8 drafts, greedy rounds through CPU_DRAFT_TREE (a chain of its
+    --draft-len for sampling and batches), exact AR output; --draft-tree none keeps the chain."""
+    from dspine.cli import CPU_DRAFT_LEN, CPU_DRAFT_TREE, _engine
+
+    drafter = load_drafter(builtin_drafter("smollm2-135m-instruct"), smollm2, dtype=torch.qint8)
+    eng = _engine(smollm2, drafter, None)
+    assert str(eng.tree) == str(DraftTree.parse(CPU_DRAFT_TREE)) and eng.draft_len == CPU_DRAFT_LEN
+    assert _engine(smollm2, drafter, None, tree="none").tree is None
+    assert _engine(smollm2, drafter, 2).tree is None  # an explicit --draft-len asks for a chain
+    item = load_benchmark("humaneval", limit=1)[0]
+    p = SamplingParams(max_tokens=48)
+    r = eng.generate(item.turns[0], p)
+    assert r.token_ids == Engine(smollm2).generate(item.turns[0], p).token_ids
+    assert r.stats.tau > 1.5 and not any(r.stats.accept_hist[eng.tree.depth + 1 :])
 
 
 def test_codes_present_or_absent_load_the_same(smollm2, shipped, tmp_path):

@@ -76,7 +76,10 @@ def test_draft_lens_and_spec_max_batch_are_parsed_or_refused_clearly(capsys):
     from dspine.cli import UsageError, _draft_lens
 
     assert _draft_lens("8,3,3:4,3:4:2,3::1") == [8, 3, (3, 4, None), (3, 4, 2), (3, None, 1)]
+    assert _draft_lens("t0000.1.01:5:2,t1") == [("0000.01.1", 5, 2), ("1", None, None)]  # draft trees
     for bad, why in (
+        ("t0x", "rank digits"),
+        ("t0:0", ">= 1"),
         ("3:4:2:1", "is not D, D:S or D:S:M"),
         ("x", "is not D, D:S or D:S:M"),
         ("3:0", ">= 1"),

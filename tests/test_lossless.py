@@ -1,5 +1,7 @@
 """Speculative output equals autoregressive output token for token at temperature 0 (fp32)."""
 
+import functools
+
 import pytest
 import torch
 from conftest import CHAT_PROMPTS, METHODS, brief_train, perturb_writes, tiny_target
@@ -9,8 +11,10 @@ from dspine.engine import Engine
 from dspine.sampling import SamplingParams
 
 
+@functools.cache
 def _trained(target, pairs, method):
-    """A 2-layer, block-8 drafter of `method` briefly trained on the tiny target's later pairs."""
+    """A 2-layer, block-8 drafter of `method` briefly trained on the tiny target's later pairs (trained once per
+    target and method: the tests only decode with it)."""
     d = DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4)
     return brief_train(d, target, pairs[4:], steps=40)
 
@@ -179,6 +183,41 @@ def test_shorter_draft_len_stays_lossless(tiny, method):
     for S in (3, 9):
         with pytest.raises(ValueError, match="draft_block must be in \\[4, 8\\]"):
             Engine(target, drafter, draft_len=3, draft_block=S)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspine"])
+def test_draft_trees_stay_lossless(tiny, method):
+    """Greedy rounds verifying a draft tree (the accepted path's KV entries moved behind the committed ones, the
+    rest dropped) keep AR's output and accept at most the tree's depth; sampled rounds keep the chain of that
+    depth (the same seeded output as the chain engine); trees a drafter cannot run are refused."""
+    from dspine.engine import generate_batch
+
+    target, pairs = tiny
+    ar = Engine(target)
+    drafter = _trained(target, pairs, method)
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [ids[:start] for ids, start in pairs[:3]]
+    want = [ar.generate(p, greedy).token_ids for p in prompts]
+    for spec, n in (("1", 1), ("00.1.01.10.11.3", 2), ("0000.1.01.2", 3)):
+        eng = Engine(target, drafter, tree=spec)
+        depth = eng.tree.depth
+        assert eng.draft_len == depth
+        for p, w in zip(prompts[:n], want):
+            got = eng.generate(p, greedy)
+            assert got.token_ids == w, (spec, p)
+            assert not any(got.stats.accept_hist[depth + 1 :])
+    # a batch of one request (serve's rounds) verifies the tree too (the same rounds); two requests verify chains
+    (one,) = generate_batch(eng, prompts[:1], greedy)
+    assert one.token_ids == want[0] and one.stats.accept_hist == eng.generate(prompts[0], greedy).stats.accept_hist
+    assert [g.token_ids for g in generate_batch(eng, prompts[:2], greedy)] == want[:2]
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+    chain = Engine(target, drafter, draft_len=4).generate(prompts[0], sampled)
+    assert Engine(target, drafter, tree="0000.1").generate(prompts[0], sampled).token_ids == chain.token_ids
+    for spec, what in (("4", "ranks below the drafter's top_k \\(4\\)"), ("0" * 8, "depth in \\[1, 7\\]")):
+        with pytest.raises(ValueError, match=what):
+            Engine(target, drafter, tree=spec)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(target, tree="0")
 
 
 def test_a_batch_over_spec_max_batch_decodes_ar_rounds_and_drafts_again_when_it_shrinks(tiny):

@@ -9,7 +9,7 @@ from conftest import perturb_writes, tiny_target
 
 from dspine.checkpoint import load_drafter, save_drafter
 from dspine.config import ConfigError, apply_overrides, from_dict
-from dspine.decoding import propose, transition_scores
+from dspine.decoding import DraftTree, propose, propose_tree, transition_scores
 from dspine.drafter import DSpineDraftModel
 from dspine.sampling import SamplingParams, warp_probs
 from dspine.stats import AcceptanceStats, simulated_tau, summarize
@@ -92,6 +92,45 @@ def test_transition_scores_equal_naive_recomputation(method):
         for t in range(2, B):
             prev = cand[n, t - 2].tolist().index(int(prop.tokens[n, t - 2]))
             assert int(prop.tokens[n, t - 1]) == int(cand[n, t - 1, S[n, t - 2, prev].argmax()])
+
+
+def test_draft_tree_nodes_follow_the_table_and_verification_walks_the_tree():
+    """A tree's nodes are ranked candidates: slot 1 by its own logits, later slots by the transition table after
+    the parent's token (its rank-0 chain is the greedy walk's); the greedy tree verifier follows the children
+    whose token is the target's argmax at their parent, and names the target's token after the last."""
+    from dspine.verify import verify_tree_greedy
+
+    target = tiny_target("qwen3")
+    d = perturb_writes(DSpineDraftModel.for_target(target, num_hidden_layers=2, block_size=6, top_k=5, seed=2))
+    block, pos, ctx = _block(d, target)
+    out = d(block[:1], pos[:1], [(k[:1], v[:1]) for k, v in ctx])
+    tree = DraftTree.parse("0000.1.01.2")
+    assert tree.paths == ((0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0))
+    assert tree.parents == (-1, -1, -1, 0, 0, 3, 5) and tree.depth == 4 and str(tree) == "0000.01.1.2"
+    assert tree.depths.tolist() == [0, 1, 1, 1, 2, 2, 3, 4]
+    assert tree.mask[5].tolist() == [True, True, False, False, False, True, False, False]  # (0,1): anchor, (0,), self
+    toks = propose_tree(d, out, tree)
+    assert toks[:1] + toks[3:4] + toks[5:] == propose(d, out, SamplingParams(), draft_len=4).tokens[0].tolist()
+    last = d.config.num_hidden_layers - 1
+    cand = d.logits(out.hidden[:, 0, 1:5]).topk(5, dim=-1).indices
+    S = transition_scores(d.injections[str(last)], d.norm, d.head, d.transfer_codes, out.h_pre[:, 0, :5],
+                          out.feats[last][:, 0, :5], cand)[0]  # fmt: skip
+    assert toks[1:3] == cand[0, 0, 1:3].tolist()
+    assert toks[4] == int(cand[0, 1, S[0, 0].topk(2).indices[1]])  # second-best successor of slot 1's best
+    V = target.info.vocab_size
+    logits = torch.zeros(len(toks) + 1, V)
+    logits[0, toks[0]] = logits[1, toks[4]] = logits[5, 7] = 1.0  # anchor -> (0,) -> (0,1) -> then token 7
+    assert verify_tree_greedy(toks, tree.parents, logits) == ([0, 4], 7)
+    logits[0] = 0
+    logits[0, toks[2]] = logits[3, 9] = 1  # anchor -> (2,) -> token 9
+    assert verify_tree_greedy(toks, tree.parents, logits) == ([2], 9)
+    miss = next(t for t in range(V) if t not in toks[:3])
+    logits[0] = 0
+    logits[0, miss] = 1
+    assert verify_tree_greedy(toks, tree.parents, logits) == ([], miss)
+    for bad in ("", "0a", "00..1", "0,1"):
+        with pytest.raises(ValueError, match="'.'-separated strings of rank digits"):
+            DraftTree.parse(bad)
 
 
 def test_sampled_proposal_reports_its_distribution():

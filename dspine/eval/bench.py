@@ -52,10 +52,11 @@ def engine_bench(
     group decoded together (engine.generate_batch), throughput and τ only. `draft_lens`: each drafter is
     measured at each of these drafts-per-round (rows "<name>/d<D>"; a triple (D, S, M) also runs only S block
     slots, "b<S>", and drafts only in rounds of at most M open rows, "m<M>"; S, M None: no limit), side by
-    side. Every request (or group) runs on all engines in turn before the next, so a machine whose speed drifts
-    (a shared VM) shifts every row alike; each row's tokens/s is over its own decoding time. `other_targets`
-    {DTYPE tag: (target, drafters)}: the same rows for the target in another dtype, named NAME@TAG (module
-    docstring)."""
+    side; D may be a draft tree's spec (rows "<name>/t<spec>": greedy rounds of one request verify that tree,
+    batched rounds its depth as a chain). Every request (or group) runs on all engines in turn before the next,
+    so a machine whose speed drifts (a shared VM) shifts every row alike; each row's tokens/s is over its own
+    decoding time. `other_targets` {DTYPE tag: (target, drafters)}: the same rows for the target in another
+    dtype, named NAME@TAG (module docstring)."""
     from tqdm.auto import tqdm
 
     items = [(b, it) for b in benchmarks for it in load_benchmark(b, limit)]
@@ -67,8 +68,11 @@ def engine_bench(
         for n, d in drs.items():
             for D in draft_lens or [None]:
                 D, S, M = D if isinstance(D, tuple) else (D, None, None)
-                name = (n if D is None else f"{n}/d{D}" + (f"b{S}" if S else "") + (f"m{M}" if M else "")) + suffix
-                engines[name], own_ar[name] = Engine(tgt, d, D, S, M), "ar" + suffix
+                tree = D if isinstance(D, str) else None  # a draft tree's spec (decoding.DraftTree)
+                head = f"t{tree}" if tree else f"d{D}"
+                name = (n if D is None else f"{n}/{head}" + (f"b{S}" if S else "") + (f"m{M}" if M else "")) + suffix
+                engines[name] = Engine(tgt, d, None if tree else D, S, M, tree)
+                own_ar[name] = "ar" + suffix
     batched = [c for c in (concurrencies or [1]) if c > 1]
     bar = tqdm(total=len(items) * len(engines) * (1 + len(batched)), desc="bench", disable=not progress)
     rows, tau_bench = _bench_single(engines, own_ar, items, max_new_tokens, temperature, bar)
