@@ -52,8 +52,7 @@ DRAFT_TREE_HELP = (
     "'.'-separated (0 = best candidate; 0000.1.01 = the best chain of 4, slot 1's second candidate, and the "
     "second-best successor of slot 1's best; ranks follow the transition table); rounds of several requests and "
     f"sampled ones verify a chain of --draft-len; 'none': chains only (default: {CPU_DRAFT_TREE} on a CPU without "
-    "--draft-len, "
-    "bench/results/engine_cpu.md; none elsewhere)"
+    "--draft-len, bench/results/engine_cpu.md; none elsewhere)"
 )
 
 

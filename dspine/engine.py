@@ -6,7 +6,8 @@ round drafts B-1 tokens from [anchor, mask...], verifies [anchor, drafts] in one
 commits the accepted drafts plus the target's own next token, crops the target cache back to the committed
 positions and appends their target features to the drafter's context. AR decoding is the same loop with
 no drafts. Every committed token passes through one stop checker (EOS, max tokens, stop strings), so
-speculative and AR outputs end exactly alike.
+speculative and AR outputs end exactly alike. With a draft tree (decoding.DraftTree), a single request's greedy
+round verifies the tree's nodes in one forward under a tree mask and keeps only the accepted path's entries.
 """
 
 from __future__ import annotations
