@@ -1,7 +1,5 @@
 """Speculative output equals autoregressive output token for token at temperature 0 (fp32)."""
 
-import functools
-
 import pytest
 import torch
 from conftest import CHAT_PROMPTS, METHODS, brief_train, perturb_writes, tiny_target
@@ -10,13 +8,17 @@ from dspine.drafter import DSpineDraftModel
 from dspine.engine import Engine
 from dspine.sampling import SamplingParams
 
+_TRAINED: dict = {}
 
-@functools.cache
+
 def _trained(target, pairs, method):
     """A 2-layer, block-8 drafter of `method` briefly trained on the tiny target's later pairs (trained once per
-    target and method: the tests only decode with it)."""
-    d = DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4)
-    return brief_train(d, target, pairs[4:], steps=40)
+    session-wide target and method: the tests only decode with it)."""
+    key = (id(target), method)
+    if key not in _TRAINED:
+        d = DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8, top_k=4, seed=4)
+        _TRAINED[key] = (target, brief_train(d, target, pairs[4:], steps=40))  # the target kept: its id stays its own
+    return _TRAINED[key][1]
 
 
 @pytest.mark.parametrize("method", METHODS)
