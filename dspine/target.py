@@ -277,8 +277,9 @@ class Target:
             src = torch.tensor(rows) + start
             for layer in cache.layers:
                 for name in ("keys", "values"):
-                    t = getattr(layer, name)
-                    t[:, :, start : start + len(rows)] = t[:, :, src.to(t.device)]
+                    t = getattr(layer, name, None)
+                    if t is not None and t.numel():  # (N, H, L, hd); a layer that holds nothing is left as it is
+                        t[:, :, start : start + len(rows)] = t[:, :, src.to(t.device)]
         Target.crop_cache(cache, start + len(rows))
 
     def new_cache(self):
