@@ -212,6 +212,12 @@ def test_draft_trees_stay_lossless(tiny, method):
     (one,) = generate_batch(eng, prompts[:1], greedy)
     assert one.token_ids == want[0] and one.stats.accept_hist == eng.generate(prompts[0], greedy).stats.accept_hist
     assert [g.token_ids for g in generate_batch(eng, prompts[:2], greedy)] == want[:2]
+    # logprobs through a tree round are the target's own, from the row each token was chosen at
+    lp = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
+    ((tree_lp,), (ar_lp,)) = generate_batch(eng, prompts[:1], lp), generate_batch(ar, prompts[:1], lp)
+    assert tree_lp.token_ids == ar_lp.token_ids and tree_lp.stats.tau > 1.0
+    for (x, top_x), (y, top_y) in zip(tree_lp.logprobs, ar_lp.logprobs, strict=True):
+        assert abs(x - y) < 1e-4 and [t for t, _ in top_x] == [t for t, _ in top_y]
     sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
     chain = Engine(target, drafter, draft_len=4).generate(prompts[0], sampled)
     assert Engine(target, drafter, tree="0000.1").generate(prompts[0], sampled).token_ids == chain.token_ids
