@@ -520,9 +520,7 @@ def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None =
             raise UsageError(f"{flag} needs a drafter")
     draft_block = None
     if drafter is not None and target.device.type == "cpu":
-        default = DraftTree.parse(CPU_DRAFT_TREE)
-        cfg = drafter.config
-        if tree is None and draft_len is None and default.depth < cfg.block_size and default.max_rank < cfg.top_k:
+        if tree is None and draft_len is None and DraftTree.parse(CPU_DRAFT_TREE).fits(drafter.config):
             tree = CPU_DRAFT_TREE
         if draft_len is None:
             draft_len = min(CPU_DRAFT_LEN, drafter.config.block_size - 1)

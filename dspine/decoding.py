@@ -187,6 +187,10 @@ class DraftTree:
     def max_rank(self) -> int:
         return max(max(p) for p in self.paths)
 
+    def fits(self, cfg) -> bool:
+        """Whether a drafter of this config can draft the tree: depth below its block size, ranks below its top_k."""
+        return self.depth < cfg.block_size and self.max_rank < cfg.top_k
+
     @cached_property
     def parents(self) -> tuple[int, ...]:
         """Each node's parent node index; -1: the anchor."""

@@ -191,7 +191,7 @@ class Engine:
         self.tree = None
         if tree is not None:
             self.tree = tree if isinstance(tree, DraftTree) else DraftTree.parse(tree)
-            if drafter is None or not 1 <= self.tree.depth <= B - 1 or self.tree.max_rank >= drafter.config.top_k:
+            if drafter is None or not self.tree.fits(drafter.config):
                 raise ValueError(
                     f"draft tree {self.tree}: needs a drafter, depth in [1, {B - 1}] (block size {B}) and ranks "
                     f"below the drafter's top_k ({drafter.config.top_k if drafter is not None else '-'})"

@@ -449,9 +449,7 @@ class Service:
         keep = cur.draft_len if drafter is not None and cur.drafter is not None and cur.draft_len <= B - 1 else None
         chosen = cur.drafter is not None and cur.draft_block < cur.drafter.config.block_size  # not the whole block
         block = cur.draft_block if keep is not None and chosen and cur.draft_block <= B else None
-        tree = cur.tree if keep is not None and cur.tree is not None else None
-        if tree is not None and (tree.depth > B - 1 or tree.max_rank >= drafter.config.top_k):
-            tree = None
+        tree = cur.tree if keep is not None and cur.tree is not None and cur.tree.fits(drafter.config) else None
         engine = Engine(tgt, drafter, keep, block, cur.spec_max_batch, tree)
         return engine, None if drafter is None else (name or drafter_label(path))
 
