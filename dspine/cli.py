@@ -46,13 +46,14 @@ DRAFT_LEN_HELP = (
     "drafts verified per round, 1..block-1 (default: 3 on a CPU, where each draft is a row of the target's verify "
     "and 3 measured fastest, bench/results/engine_cpu.md; the whole block elsewhere)"
 )
-CPU_DRAFT_TREE = "0000.1"  # greedy rounds of a single open request on a CPU (bench/results/engine_cpu.md)
+CPU_DRAFT_TREE = "0000.1"  # rounds of a single open request on a CPU (bench/results/engine_cpu.md)
 DRAFT_TREE_HELP = (
-    "greedy rounds verify this tree of drafts, one target forward for all of its nodes: its leaves as rank paths, "
-    "'.'-separated (0 = best candidate; 0000.1.01 = the best chain of 4, slot 1's second candidate, and the "
-    "second-best successor of slot 1's best; ranks follow the transition table); rounds of several requests and "
-    f"sampled ones verify a chain of --draft-len; 'none': chains only (default: {CPU_DRAFT_TREE} on a CPU without "
-    "--draft-len, bench/results/engine_cpu.md; none elsewhere)"
+    "a single request's rounds verify this tree of drafts, one target forward for all of its nodes: its leaves as "
+    "rank paths, '.'-separated (0 = best candidate; 0000.1.01 = the best chain of 4, slot 1's second candidate, "
+    "and the second-best successor of slot 1's best; ranks follow the transition table; when sampling, the 0 chain "
+    "is the sampled one and a rank r beside it the r-th best other candidate); rounds of several requests verify "
+    f"a chain of --draft-len; 'none': chains only (default: {CPU_DRAFT_TREE} on a CPU without --draft-len, "
+    "bench/results/engine_cpu.md; none elsewhere)"
 )
 
 
@@ -378,6 +379,13 @@ def _add_bench(sub) -> None:
     bn.add_argument("--limit", type=int, default=4, help="items per benchmark (default: %(default)s)")
     bn.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     bn.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="engine: 0 = greedy (default); above 0 every request samples, seeded by its index, and the rows' "
+        "match with AR is a rate, not a guarantee (the same distribution, other draws)",
+    )
+    bn.add_argument(
         "--concurrency",
         default=None,
         help="comma-separated concurrencies (default: 1,4,16,32 for sglang, 1 for the engine, which "
@@ -581,7 +589,7 @@ def cmd_generate(a) -> int:
             verify_rounds=res.stats.rounds,
             per_slot=[round(x, 3) for x in res.stats.per_slot],
         )
-        if engine.tree is not None and params.greedy:
+        if engine.tree is not None:
             figures["draft_tree"] = str(engine.tree)
     if a.json:
         print(json.dumps({"text": res.text, **figures}))
@@ -806,6 +814,8 @@ def cmd_bench(a) -> int:
         raise UsageError(f"--dtype {a.dtype!r}: distinct values from {list(TARGET_DTYPES)}, comma-separated")
     if len(dtypes) > 1 and a.backend == "sglang":
         raise UsageError("--dtype: one dtype with --backend sglang (its servers take --sglang-dtype)")
+    if not a.temperature >= 0 or (a.temperature and a.backend == "sglang"):
+        raise UsageError(f"--temperature {a.temperature}: >= 0, and 0 with --backend sglang")
     a.dtype = dtypes[0]
     specs = _drafter_specs(a.drafter, a.target)
     conc = _concurrencies(a.concurrency or ("1,4,16,32" if a.backend == "sglang" else "1"))
@@ -839,6 +849,7 @@ def cmd_bench(a) -> int:
             benches,
             a.limit,
             a.max_new_tokens,
+            temperature=a.temperature,
             progress=not a.no_progress,
             concurrencies=conc,
             draft_lens=_draft_lens(a.draft_lens) if a.draft_lens else None,

@@ -13,10 +13,12 @@ distribution; its candidate set is made to contain the sampled token (it replace
 the walk can continue. Slots >= 2 sample from the warped scores over their K candidates. The proposal
 distribution q returned is exactly what each token was sampled from — what lossless verification needs.
 
-Draft trees (greedy): the same table ranks every slot's candidates after each candidate of the slot before,
-so a static tree of rank paths costs no extra drafter work — "0000.1.01" is the walk's chain of 4, plus slot
-1's second candidate, plus the second-best successor of slot 1's first (`DraftTree`); the target verifies
-all of its nodes in one forward under a tree mask (verify.verify_tree_greedy).
+Draft trees: the same table ranks every slot's candidates after each candidate of the slot before, so a static
+tree of rank paths costs no extra drafter work — "0000.1.01" is the walk's chain of 4, plus slot 1's second
+candidate, plus the second-best successor of slot 1's first (`DraftTree`); the target verifies all of its nodes
+in one forward under a tree mask (verify.verify_tree_greedy). When sampling, the rank-0 chain is the sampled walk
+(its proposals q kept) and a rank r >= 1 below it is the r-th best candidate other than the sampled one; below a
+ranked node everything is ranked (verify.verify_tree_sampled).
 """
 
 from __future__ import annotations
@@ -215,26 +217,68 @@ class DraftTree:
         return m
 
 
-def propose_tree(drafter: DSpineDraftModel, out: DraftOutput, tree: DraftTree) -> list[int]:
-    """One block (N = 1) -> the greedy tree's node tokens, in tree.paths order. The drafter ran at least
-    tree.depth + 1 slots."""
+def propose_tree(
+    drafter: DSpineDraftModel,
+    out: DraftOutput,
+    tree: DraftTree,
+    params: SamplingParams | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One block (N = 1) -> the tree's node tokens in tree.paths order and each node's proposal q (V,) — None for
+    a ranked node (all of them when greedy; the drafter ran at least tree.depth + 1 slots)."""
     cfg = drafter.config
     D = tree.depth
     logits = drafter.logits(out.hidden[:, 0, 1 : D + 1])  # (1, D, V)
-    cand = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).indices  # (1, D, K)
+    V = logits.shape[-1]
+    cand = logits.topk(min(cfg.top_k, V), dim=-1).indices  # (1, D, K)
+    sampled = params is not None and not params.greedy
+    table = cfg.transition_cache and D > 1
+    chain: list[int] = []  # the sampled walk's candidate index (table) or token (no table) per slot
+    qs: list[torch.Tensor] = []
+    if sampled:
+        if table:  # propose()'s walk: slot 1 from its full distribution, put among its candidates
+            q1 = warp_probs(logits[0, 0], params)
+            x1 = int(sample(q1, generator))
+            hit = (cand[0, 0] == x1).nonzero()
+            first = int(hit[0, 0]) if len(hit) else cand.shape[-1] - 1
+            cand[0, 0, first] = x1
+        else:
+            qs = list(warp_probs(logits[0], params))
+            chain = [int(sample(q, generator)) for q in qs]
     order = None
-    if cfg.transition_cache and D > 1:
+    if table:
         last = cfg.num_hidden_layers - 1
         inj = drafter.injections[str(last)]
         h_pre, f = out.h_pre[:, 0, : D + 1], out.feats[last][:, 0, : D + 1]
         S = scores_table(inj, drafter.norm, drafter.head, drafter.transfer_codes, h_pre, f, cand, False)
         order = S[0].argsort(-1, descending=True).tolist()  # (D-1, K, K): successors of each candidate, best first
+        if sampled:
+            rest, q_rest = walk_sample(cand, S, torch.tensor([first]), params, V, generator)
+            chain = [first] + [cand[0, t + 1].tolist().index(x) for t, x in enumerate(rest[0].tolist())]
+            qs = [q1, *q_rest[0]]
     cand = cand[0].tolist()
-    idx: list[int] = []
+    idx: list[int] = []  # each node's index among its slot's candidates (a sampled one without a table: -1)
+    toks: list[int] = []
+    q: list[torch.Tensor | None] = []
     for path, par in zip(tree.paths, tree.parents):
         t, r = len(path), path[-1]
-        idx.append(r if order is None or t == 1 else order[t - 2][idx[par]][r])
-    return [cand[len(p) - 1][i] for p, i in zip(tree.paths, idx)]
+        ranked = list(range(len(cand[t - 1]))) if order is None or t == 1 else order[t - 2][idx[par]]
+        on_chain = sampled and not any(path[:-1])
+        if on_chain and r == 0:
+            i = chain[t - 1] if order is not None else -1
+            toks.append(cand[t - 1][i] if order is not None else chain[t - 1])
+            q.append(qs[t - 1])
+        else:
+            if on_chain:  # a sibling of the sampled node: the r-th best other than it
+                x = cand[t - 1][chain[t - 1]] if order is not None else chain[t - 1]
+                ranked = [j for j in ranked if cand[t - 1][j] != x][r - 1 :]
+                i = ranked[0]
+            else:
+                i = ranked[r]
+            toks.append(cand[t - 1][i])
+            q.append(None)
+        idx.append(i)
+    return toks, q
 
 
 def propose(

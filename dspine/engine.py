@@ -6,8 +6,9 @@ round drafts B-1 tokens from [anchor, mask...], verifies [anchor, drafts] in one
 commits the accepted drafts plus the target's own next token, crops the target cache back to the committed
 positions and appends their target features to the drafter's context. AR decoding is the same loop with
 no drafts. Every committed token passes through one stop checker (EOS, max tokens, stop strings), so
-speculative and AR outputs end exactly alike. With a draft tree (decoding.DraftTree), a single request's greedy
-round verifies the tree's nodes in one forward under a tree mask and keeps only the accepted path's entries.
+speculative and AR outputs end exactly alike. With a draft tree (decoding.DraftTree), a single request's round
+verifies the tree's nodes in one forward under a tree mask and keeps only the accepted path's entries (when
+sampling, the tree hangs ranked siblings on the sampled chain: verify.verify_tree_sampled).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dspine.decoding import DraftTree, propose, propose_tree
-from dspine.drafter import DSpineDraftModel, block_attention_mask
+from dspine.drafter import DraftOutput, DSpineDraftModel, block_attention_mask
 from dspine.sampling import RequestError, SamplingParams, penalize, sample, warp_probs
 from dspine.stats import AcceptanceStats
 from dspine.target import Target
-from dspine.verify import verify_greedy, verify_sampled, verify_tree_greedy
+from dspine.verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
 
 @dataclass
@@ -123,13 +124,15 @@ def _generator(device: torch.device, seed: int | None) -> torch.Generator:
     return gen
 
 
-def _tree_round(tgt: Target, drafter, tree: DraftTree, out, anchor: int, P: int, cache, ctx, visible, clock):
-    """A greedy round through a draft tree after the drafter's forward: the nodes verified in one target forward
-    under the tree mask beside the cache's `visible` (1, W) columns, the accepted path's entries kept behind them
-    (the rest dropped, in the cache and in the drafter's context) -> (the accepted drafts and the target's next
-    token, the target's raw logits each was chosen from (len, V))."""
+def _tree_round(
+    tgt: Target, drafter, tree: DraftTree, out, anchor: int, P: int, cache, ctx, visible, clock, params, gen
+):
+    """A round through a draft tree after the drafter's forward: the nodes verified in one target forward under
+    the tree mask beside the cache's `visible` (1, W) columns, the accepted path's entries kept behind them (the
+    rest dropped, in the cache and in the drafter's context) -> (the accepted drafts and the target's next token,
+    the target's raw logits each was chosen from (len, V))."""
     dev = tgt.device
-    toks = propose_tree(drafter, out, tree)
+    toks, q = propose_tree(drafter, out, tree, params, gen)
     clock.lap("propose")
     n, W = len(toks), visible.shape[1]
     att = torch.ones(1, 1, n + 1, W + n + 1, dtype=torch.bool, device=dev)
@@ -139,7 +142,10 @@ def _tree_round(tgt: Target, drafter, tree: DraftTree, out, anchor: int, P: int,
     feed = torch.tensor([[anchor] + toks], device=dev)
     logits, feats = tgt.forward(feed, cache, drafter.config.target_layer_ids, att, pos)
     clock.lap("verify")
-    path, nxt = verify_tree_greedy(toks, tree.parents, logits[0])
+    if params.greedy:
+        path, nxt = verify_tree_greedy(toks, tree.parents, logits[0])
+    else:
+        path, nxt = verify_tree_sampled(toks, q, tree.parents, warp_probs(logits[0], params), gen)
     rows = [0] + [i + 1 for i in path]
     tgt.keep_cache(cache, W, rows)
     ctx.extend(feats[:, rows], pos[:, rows])
@@ -181,9 +187,9 @@ class Engine:
         open rows a batched round drafts for (default: no limit); a fuller batch decodes its round
         autoregressively, where verifying drafts costs more than it returns (vLLM's
         `disable_by_batch_size`). The drafter's context follows those rounds too, so drafting resumes as soon
-        as the batch is small again. `tree` (a DraftTree or its spec, decoding.py): greedy rounds of a single
-        open request verify that tree of drafts instead of a chain, the drafter running depth + 1 slots
-        (draft_len then defaults to the depth); sampled rounds and rounds of several requests keep the chain."""
+        as the batch is small again. `tree` (a DraftTree or its spec, decoding.py): rounds of a single open
+        request verify that tree of drafts instead of a chain, the drafter running depth + 1 slots (draft_len
+        then defaults to the depth); rounds of several requests, penalties and forced replays keep the chain."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.method = drafter.config.method if drafter is not None else "ar"
@@ -270,7 +276,7 @@ class Engine:
         B = self.drafter.config.block_size if spec else 1
         stats = AcceptanceStats(B) if spec else None
         stop = _Stopper(tgt, params, on_token)
-        tree = self.tree if params.greedy and forced is None else None
+        tree = self.tree if forced is None else None
 
         cache = tgt.new_cache()
         logits, feats = tgt.forward(torch.tensor([ids], device=dev), cache, layer_ids)
@@ -302,7 +308,7 @@ class Engine:
             clock.lap("draft")
             if tree is not None:
                 visible = torch.ones(1, P, dtype=torch.bool, device=dev)
-                toks, _ = _tree_round(tgt, self.drafter, tree, out, anchor, P, cache, ctx, visible, clock)
+                toks, _ = _tree_round(tgt, self.drafter, tree, out, anchor, P, cache, ctx, visible, clock, params, gen)
                 stats.record(len(toks) - 1)
                 P += len(toks)
                 done = any(stop.push(tok) for tok in toks)
@@ -475,7 +481,7 @@ class BatchDecode:
             return
         open_rows = len(self) - sum(self.finished)
         spec = drafter is not None and (engine.spec_max_batch is None or open_rows <= engine.spec_max_batch)
-        if spec and engine.tree is not None and len(self) == 1 and params.greedy and self.counts is None:
+        if spec and engine.tree is not None and len(self) == 1 and self.counts is None:
             if self.forced[0] is None:
                 return self._tree_step()
         Bd = engine.draft_block if spec else 1  # the slots the drafter runs
@@ -512,14 +518,16 @@ class BatchDecode:
         self.compact()  # rows that accepted less than the round's longest leave masked holes
 
     def _tree_step(self) -> None:
-        """A greedy round of a single-row batch through the engine's draft tree (_tree_round)."""
+        """A round of a single-row batch through the engine's draft tree (_tree_round)."""
         drafter, tgt, tree = self.drafter, self.engine.target, self.engine.tree
         dev, Bd, anchor = tgt.device, tree.depth + 1, self.anchors[0]
         pos = self.committed[:, None] + torch.arange(Bd, device=dev)  # (1, Bd)
         mask = block_attention_mask(self.valid[:, None], Bd, drafter.config.is_causal)
         out = drafter(drafter.block_inputs(torch.tensor([[anchor]], device=dev), Bd), pos[:, None], self.ctx.kv, mask)
         P, clock = int(self.committed[0]), _PhaseClock(dev, False)
-        toks, raw = _tree_round(tgt, drafter, tree, out, anchor, P, self.cache, self.ctx, self.valid, clock)
+        toks, raw = _tree_round(
+            tgt, drafter, tree, out, anchor, P, self.cache, self.ctx, self.valid, clock, self.params, self.gen
+        )
         self.valid = torch.cat([self.valid, self.valid.new_ones(1, len(toks))], 1)
         self.committed = self.committed + len(toks)
         self.stats[0].record(len(toks) - 1)
@@ -675,3 +683,47 @@ def speculative_step(
     logits = logits[:, L - 1 :]
     n_acc, nxt = verify(prop, logits, params, generator, verifier)
     return n_acc, prop.tokens, nxt
+
+
+@torch.no_grad()
+def speculative_tree_step(
+    target: Target,
+    drafter: DSpineDraftModel,
+    seqs: torch.Tensor,
+    tree: DraftTree,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """One stateless round through a draft tree for N rows of equal length (full recompute, no caches) ->
+    each row's committed tokens (accepted drafts + the next token). seqs (N, L), the last token the anchor. The
+    rows' proposals and verdicts come from propose_tree and the tree verifiers one row at a time, as a single
+    request's engine round makes them; used by the distribution tests."""
+    N, L = seqs.shape
+    dev, Bd = seqs.device, tree.depth + 1
+    _, feats = target.forward(seqs[:, :-1], None, drafter.config.target_layer_ids)
+    ctx = drafter.context_kv(feats, torch.arange(L - 1, device=dev).expand(N, -1))
+    pos = torch.arange(L - 1, L - 1 + Bd, device=dev).expand(N, -1)[:, None]
+    out = drafter(drafter.block_inputs(seqs[:, -1:], Bd), pos, ctx)
+
+    def row(i: int) -> DraftOutput:
+        h_pre = out.h_pre[i : i + 1] if out.h_pre is not None else None
+        return DraftOutput(out.hidden[i : i + 1], h_pre, {k: f[i : i + 1] for k, f in out.feats.items()})
+
+    props = [propose_tree(drafter, row(i), tree, params, generator) for i in range(N)]
+    n = len(tree.paths)
+    att = torch.zeros(L + n, L + n, dtype=torch.bool, device=dev)
+    att[:L, :L] = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    att[L - 1 :, : L - 1] = True
+    att[L - 1 :, L - 1 :] = tree.mask.to(dev)
+    positions = torch.cat([torch.arange(L - 1, device=dev), L - 1 + tree.depths.to(dev)]).expand(N, -1)
+    feed = torch.cat([seqs, torch.tensor([toks for toks, _ in props], device=dev)], 1)
+    logits, _ = target.forward(feed, None, None, att.expand(N, 1, -1, -1), positions)
+    logits = logits[:, L - 1 :]  # (N, n+1, V) at [anchor, nodes]
+    got = []
+    for i, (toks, q) in enumerate(props):
+        if params.greedy:
+            path, nxt = verify_tree_greedy(toks, tree.parents, logits[i])
+        else:
+            path, nxt = verify_tree_sampled(toks, q, tree.parents, warp_probs(logits[i], params), generator)
+        got.append([toks[j] for j in path] + [nxt])
+    return got

@@ -5,7 +5,13 @@ Sampling: chain rejection sampling against the drafter's actual proposal q — a
 probability min(1, p_k(x)/q_k(x)); at the first rejection sample from norm(max(0, p_k - q_k)); if every
 draft passes, the bonus comes from p_B. The committed tokens are then distributed exactly as AR sampling
 from p (the warped target distribution, sampling.warp_probs).
-Greedy trees: from the anchor, follow the child whose token is the target's argmax at its parent, while one is.
+Trees: from the anchor, greedy verification follows the child whose token is the target's argmax at its parent,
+while one is. Sampled verification is recursive rejection over each node's children: the sampled child x (drawn
+from q) first — accepted with probability min(1, p(x)/q(x)), else p becomes norm(max(0, p - q)) — then each
+ranked child s in turn, a proposal that is certain of s — accepted with probability p(s), else s's mass is
+removed from p and p renormalised; when no child is accepted the next token is drawn from what p has become. Each
+step is the chain's rejection step against that child's proposal, so the committed tokens are distributed as AR
+sampling's (SpecInfer's multi-candidate verification).
 """
 
 from __future__ import annotations
@@ -34,6 +40,38 @@ def verify_tree_greedy(tokens: list[int], parents: tuple[int, ...], logits: torc
             return path, tgt[row]
         path.append(nxt)
         row = nxt + 1
+
+
+def verify_tree_sampled(
+    tokens: list[int],
+    q: list[torch.Tensor | None],
+    parents: tuple[int, ...],
+    p: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Node tokens, their proposals q (V,) (None: a ranked node), parent indices (-1: the anchor; a parent's
+    sampled child listed before its ranked ones), warped target distributions p (n+1, V) at [anchor, nodes]
+    under the tree mask -> (the accepted path's node indices, root first; the next token after it)."""
+    path, row = [], 0
+    while True:
+        dist = p[row]
+        for i in (i for i, par in enumerate(parents) if par + 1 == row):
+            x, u = tokens[i], float(torch.rand((), generator=generator, device=p.device))
+            if q[i] is not None:
+                if u * float(q[i][x]) < float(dist[x]):
+                    break
+                resid = (dist - q[i]).clamp_min(0)
+            else:
+                if u < float(dist[x]):
+                    break
+                resid = dist.clone()
+                resid[x] = 0
+            mass = resid.sum()
+            dist = resid / mass if mass > 0 else dist
+        else:
+            return path, int(sample(dist, generator))
+        path.append(i)
+        row = i + 1
 
 
 def verify_sampled(

@@ -67,8 +67,8 @@ def test_shipped_drafter_is_lossless_and_trained(smollm2, shipped, dtype):
 
 
 def test_generate_on_a_cpu_drafts_through_the_default_tree_losslessly(smollm2):
-    """`dspine generate`'s CPU engine: int8 drafts, greedy rounds through CPU_DRAFT_TREE (a chain of its
-    --draft-len for sampling and batches), exact AR output; --draft-tree none keeps the chain."""
+    """`dspine generate`'s CPU engine: int8 drafts, rounds of one request through CPU_DRAFT_TREE (a chain of its
+    --draft-len for batches), exact AR output; --draft-tree none keeps the chain."""
     from dspine.cli import CPU_DRAFT_LEN, CPU_DRAFT_TREE, _engine
 
     drafter = load_drafter(builtin_drafter("smollm2-135m-instruct"), smollm2, dtype=torch.qint8)

@@ -1,16 +1,19 @@
 """At temperature > 0 speculative sampling is distributed exactly as AR sampling (χ² against the exact AR
-marginals of the first 4 drafted positions, computed by enumerating every prefix on a 16-token vocabulary);
-a verifier that skips the min(1, p/q) test fails the same check."""
+marginals of the first 4 drafted positions, computed by enumerating every prefix on a 16-token vocabulary), by
+chains and by draft trees (ranked siblings on the sampled chain); a chain or tree verifier that skips the
+min(1, p/q) test fails the same check."""
 
 import pytest
 import torch
 from conftest import perturb_writes, tiny_target
 from scipy.stats import chisquare
 
+import dspine.engine
+from dspine.decoding import DraftTree
 from dspine.drafter import DSpineDraftModel
-from dspine.engine import speculative_step
+from dspine.engine import speculative_step, speculative_tree_step
 from dspine.sampling import SamplingParams, sample, warp_probs
-from dspine.verify import verify_sampled
+from dspine.verify import verify_sampled, verify_tree_sampled
 
 V, POSITIONS, SAMPLES = 16, 4, 20000
 PROMPT = [3, 9, 1, 12, 5, 7]
@@ -37,8 +40,9 @@ def exact_ar_marginals(target, params) -> list[torch.Tensor]:
     return out
 
 
-def speculative_samples(target, drafter, params, verifier, seed=0) -> torch.Tensor:
-    """(SAMPLES, POSITIONS) tokens drawn by speculative rounds from PROMPT (its last token is the anchor)."""
+def speculative_samples(target, drafter, params, verifier, seed=0, tree=None) -> torch.Tensor:
+    """(SAMPLES, POSITIONS) tokens drawn by speculative rounds from PROMPT (its last token is the anchor); with
+    `tree` by rounds through that draft tree (speculative_tree_step)."""
     gen = torch.Generator().manual_seed(seed)
     got = [[] for _ in range(SAMPLES)]
     while True:
@@ -48,6 +52,10 @@ def speculative_samples(target, drafter, params, verifier, seed=0) -> torch.Tens
         for n in sorted({len(got[i]) for i in todo}):
             rows = [i for i in todo if len(got[i]) == n]
             seqs = torch.tensor([PROMPT + got[i] for i in rows])
+            if tree is not None:
+                for i, toks in zip(rows, speculative_tree_step(target, drafter, seqs, tree, params, gen)):
+                    got[i] += toks
+                continue
             n_acc, drafts, nxt = speculative_step(target, drafter, seqs, params, gen, verifier=verifier)
             for j, i in enumerate(rows):
                 got[i] += drafts[j, : n_acc[j]].tolist() + [int(nxt[j])]
@@ -114,3 +122,25 @@ def test_broken_verifier_is_caught(peaked_target):
     tokens = speculative_samples(peaked_target, make_drafter(peaked_target, "dspine"), params, broken_verifier)
     ps = chi2_pvalues(tokens, exact_ar_marginals(peaked_target, params))
     assert min(ps) < 0.01, ps
+
+
+@pytest.mark.parametrize("method,spec", [("dspine", "00.1.10"), ("dflash", "0.1.2.01")])
+def test_sampled_draft_trees_match_ar(peaked_target, method, spec):
+    """The rank-0 chain sampled (through the transition table for DSpine), ranked siblings and their ranked
+    children beside it, verified by recursive rejection: AR's marginals."""
+    params = SamplingParams(temperature=1.0)
+    tree = DraftTree.parse(spec)
+    tokens = speculative_samples(peaked_target, make_drafter(peaked_target, method), params, None, tree=tree)
+    assert min(chi2_pvalues(tokens, exact_ar_marginals(peaked_target, params))) > 0.01
+
+
+def test_broken_tree_verifier_is_caught(peaked_target, monkeypatch):
+    def accepts_the_sampled_child(tokens, q, parents, p, generator):
+        """The sampled child passes without the min(1, p/q) test (q read as zero); ranked ones are tested."""
+        return verify_tree_sampled(tokens, [x if x is None else 0 * x for x in q], parents, p, generator)
+
+    monkeypatch.setattr(dspine.engine, "verify_tree_sampled", accepts_the_sampled_child)
+    params = SamplingParams(temperature=1.0)
+    tree = DraftTree.parse("0.1.2.01")
+    tokens = speculative_samples(peaked_target, make_drafter(peaked_target, "dflash"), params, None, tree=tree)
+    assert min(chi2_pvalues(tokens, exact_ar_marginals(peaked_target, params))) < 0.01

@@ -190,8 +190,8 @@ def test_shorter_draft_len_stays_lossless(tiny, method):
 @pytest.mark.parametrize("method", ["dflash", "dspine"])
 def test_draft_trees_stay_lossless(tiny, method):
     """Greedy rounds verifying a draft tree (the accepted path's KV entries moved behind the committed ones, the
-    rest dropped) keep AR's output and accept at most the tree's depth; sampled rounds keep the chain of that
-    depth (the same seeded output as the chain engine); trees a drafter cannot run are refused."""
+    rest dropped) keep AR's output and accept at most the tree's depth; so do sampled rounds near T = 0; trees a
+    drafter cannot run are refused."""
     from dspine.engine import generate_batch
 
     target, pairs = tiny
@@ -218,9 +218,19 @@ def test_draft_trees_stay_lossless(tiny, method):
     assert tree_lp.token_ids == ar_lp.token_ids and tree_lp.stats.tau > 1.0
     for (x, top_x), (y, top_y) in zip(tree_lp.logprobs, ar_lp.logprobs, strict=True):
         assert abs(x - y) < 1e-4 and [t for t, _ in top_x] == [t for t, _ in top_y]
+    # sampled rounds verify the tree too (ranked siblings on the sampled chain; in distribution:
+    # test_distribution.py): seeded, they repeat; near T = 0 every draw is the argmax, so the text is greedy AR's
+    eng = Engine(target, drafter, tree="0000.1.01")
     sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
-    chain = Engine(target, drafter, draft_len=4).generate(prompts[0], sampled)
-    assert Engine(target, drafter, tree="0000.1").generate(prompts[0], sampled).token_ids == chain.token_ids
+    first = eng.generate(prompts[0], sampled)
+    assert first.token_ids == eng.generate(prompts[0], sampled).token_ids
+    assert not any(first.stats.accept_hist[eng.tree.depth + 1 :])
+    cold = SamplingParams(max_tokens=40, temperature=1e-4, seed=3, ignore_eos=True)
+    for p, w in zip(prompts[:2], want):
+        got = eng.generate(p, cold)
+        assert got.token_ids == w and got.stats.tau > 1.0
+    (one,) = generate_batch(eng, prompts[:1], cold)
+    assert one.token_ids == want[0] and one.stats.rounds < len(want[0])
     for spec, what in (("4", "ranks below the drafter's top_k \\(4\\)"), ("0" * 8, "depth in \\[1, 7\\]")):
         with pytest.raises(ValueError, match=what):
             Engine(target, drafter, tree=spec)

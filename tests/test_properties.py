@@ -109,7 +109,8 @@ def test_draft_tree_nodes_follow_the_table_and_verification_walks_the_tree():
     assert tree.parents == (-1, -1, -1, 0, 0, 3, 5) and tree.depth == 4 and str(tree) == "0000.01.1.2"
     assert tree.depths.tolist() == [0, 1, 1, 1, 2, 2, 3, 4]
     assert tree.mask[5].tolist() == [True, True, False, False, False, True, False, False]  # (0,1): anchor, (0,), self
-    toks = propose_tree(d, out, tree)
+    toks, q = propose_tree(d, out, tree)
+    assert q == [None] * len(toks)  # greedy: every node ranked
     assert toks[:1] + toks[3:4] + toks[5:] == propose(d, out, SamplingParams(), draft_len=4).tokens[0].tolist()
     last = d.config.num_hidden_layers - 1
     cand = d.logits(out.hidden[:, 0, 1:5]).topk(5, dim=-1).indices
@@ -131,6 +132,18 @@ def test_draft_tree_nodes_follow_the_table_and_verification_walks_the_tree():
     for bad in ("", "0a", "00..1", "0,1"):
         with pytest.raises(ValueError, match="'.'-separated strings of rank digits"):
             DraftTree.parse(bad)
+    # sampling: the rank-0 chain is the sampled walk (q kept: it holds each token), a rank r below it the r-th
+    # best candidate other than the sampled one, and below a ranked node everything is ranked
+    hot = SamplingParams(temperature=1.5)
+    for seed in range(8):
+        toks, q = propose_tree(d, out, tree, hot, torch.Generator().manual_seed(seed))
+        chain = propose(d, out, hot, torch.Generator().manual_seed(seed), draft_len=4).tokens[0].tolist()
+        assert toks[:1] + toks[3:4] + toks[5:] == chain  # the same draws as the chain's walk
+        assert all(q[i] is not None and float(q[i][toks[i]]) > 0 for i in (0, 3, 5, 6))
+        assert q[1] is q[2] is q[4] is None
+        others = [t for t in cand[0, 0].tolist() if t != toks[0]]
+        assert toks[1:3] == others[:2]
+        assert toks[4] != toks[3] and toks[4] in cand[0, 1].tolist()
 
 
 def test_sampled_proposal_reports_its_distribution():

@@ -232,7 +232,10 @@ def _agreement_rows(doc: dict) -> str:
 
 
 def bench_table(doc: dict) -> str:
-    parts = [f"backend {doc['backend']}, concurrency {doc['concurrency']}, {doc['hardware']}", _method_rows(doc)]
+    head = f"backend {doc['backend']}, concurrency {doc['concurrency']}, {doc['hardware']}"
+    if doc.get("temperature"):
+        head += f", temperature {doc['temperature']:g}"
+    parts = [head, _method_rows(doc)]
     if doc.get("by_concurrency"):
         parts.append(_concurrency_rows(doc))
     timed = [(c, n, r) for c, rows in (doc.get("by_concurrency") or {}).items() for n, r in rows.items()
