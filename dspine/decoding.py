@@ -257,28 +257,18 @@ def propose_tree(
             chain = [first] + [cand[0, t + 1].tolist().index(x) for t, x in enumerate(rest[0].tolist())]
             qs = [q1, *q_rest[0]]
     cand = cand[0].tolist()
-    idx: list[int] = []  # each node's index among its slot's candidates (a sampled one without a table: -1)
-    toks: list[int] = []
-    q: list[torch.Tensor | None] = []
+    nodes: list[tuple[int, torch.Tensor | None, int]] = []  # (token, q, index among its slot's candidates)
     for path, par in zip(tree.paths, tree.parents):
         t, r = len(path), path[-1]
-        ranked = list(range(len(cand[t - 1]))) if order is None or t == 1 else order[t - 2][idx[par]]
-        on_chain = sampled and not any(path[:-1])
-        if on_chain and r == 0:
-            i = chain[t - 1] if order is not None else -1
-            toks.append(cand[t - 1][i] if order is not None else chain[t - 1])
-            q.append(qs[t - 1])
-        else:
-            if on_chain:  # a sibling of the sampled node: the r-th best other than it
-                x = cand[t - 1][chain[t - 1]] if order is not None else chain[t - 1]
-                ranked = [j for j in ranked if cand[t - 1][j] != x][r - 1 :]
-                i = ranked[0]
-            else:
-                i = ranked[r]
-            toks.append(cand[t - 1][i])
-            q.append(None)
-        idx.append(i)
-    return toks, q
+        ranked = list(range(len(cand[t - 1]))) if order is None or t == 1 else order[t - 2][nodes[par][2]]
+        if sampled and not any(path[:-1]):  # the sampled chain's node (r = 0) or a sibling of it
+            x = cand[t - 1][chain[t - 1]] if order is not None else chain[t - 1]
+            if r == 0:  # without a table the sample may lie outside the candidates (index -1: nothing reads it)
+                nodes.append((x, qs[t - 1], chain[t - 1] if order is not None else -1))
+                continue
+            ranked, r = [j for j in ranked if cand[t - 1][j] != x], r - 1
+        nodes.append((cand[t - 1][ranked[r]], None, ranked[r]))
+    return [n[0] for n in nodes], [n[1] for n in nodes]
 
 
 def propose(
