@@ -502,3 +502,29 @@ def test_fp32_cuda_attention_avoids_the_math_kernel():
     ref = run()
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_draft_trees_on_cuda_stay_lossless(tiny):
+    """Tree rounds on an fp32 CUDA target (its grouped-KV SDPA path under the 4-D tree mask, the accepted path's
+    KV entries moved on the GPU): greedy = AR, in a single request and a one-row batch; sampled rounds near T = 0
+    too; sampled rounds at T = 1 accept and stay within the tree."""
+    import copy
+
+    from dspine.engine import generate_batch
+    from dspine.target import Target
+
+    cpu, pairs = tiny
+    target = Target(copy.deepcopy(cpu.model).to("cuda"), cpu.tokenizer, name="tiny-cuda")
+    drafter = copy.deepcopy(_trained(cpu, pairs, "dspine")).to("cuda")
+    eng, ar = Engine(target, drafter, tree="0000.1.01"), Engine(target)
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    cold = SamplingParams(max_tokens=40, temperature=1e-4, seed=1, ignore_eos=True)
+    for ids, start in pairs[:3]:
+        want = ar.generate(ids[:start], greedy).token_ids
+        got = eng.generate(ids[:start], greedy)
+        assert got.token_ids == want and got.stats.tau > 1.0
+        assert eng.generate(ids[:start], cold).token_ids == want
+        assert generate_batch(eng, [ids[:start]], greedy)[0].token_ids == want
+        hot = eng.generate(ids[:start], SamplingParams(max_tokens=40, temperature=1.0, seed=2, ignore_eos=True))
+        assert len(hot.token_ids) == 40 and not any(hot.stats.accept_hist[eng.tree.depth + 1 :])
