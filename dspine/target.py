@@ -341,11 +341,12 @@ class Target:
         return plain and self.device.type == "cpu" and self.dtype == torch.float32
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    def features(self, input_ids: torch.Tensor, layer_ids: list[int], final: bool = False) -> torch.Tensor:
         """Teacher-forced context features only (no cache, no full-vocabulary logits): input_ids (N, n) ->
-        (N, n, len(layer_ids) * d). Training's path: the (N, n, V) logits would dwarf everything else."""
+        (N, n, len(layer_ids) * d), then with `final` the final normed hidden states (N, n, d) — what the head
+        reads. Training's path: the (N, n, V) logits would dwarf everything else."""
         out = self.model(input_ids=input_ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-        return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        return torch.cat([out.hidden_states[i + 1] for i in layer_ids] + ([out.hidden_states[-1]] if final else []), -1)
 
     # ---- text ------------------------------------------------------------------------------------------
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:

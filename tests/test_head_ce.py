@@ -1,6 +1,7 @@
 """The chunked head cross-entropy training uses (dspine.train.losses.head_ce) against its reference (materialized
-logits, F.cross_entropy): loss, gradient and picks, over dtypes, shapes and chunkings; and whole drafter losses
-either way."""
+logits, F.cross_entropy): loss, gradient and picks, over dtypes, shapes, chunkings and soft-label weights; and
+whole drafter losses either way, with hard and with soft labels (each label's teacher state the one the target
+predicted it from)."""
 
 import random
 
@@ -8,13 +9,24 @@ import pytest
 import torch
 from conftest import perturb_writes
 
+from dspine.config import ConfigError
 from dspine.drafter import DSpineDraftModel
-from dspine.train.losses import FeatureSource, drafter_losses, head_ce, head_ce_reference, make_batch
+from dspine.train.loop import TrainConfig
+from dspine.train.losses import (
+    FeatureSource,
+    drafter_losses,
+    head_ce,
+    head_ce_reference,
+    loss_kw,
+    make_batch,
+    teacher_states,
+)
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R,V,chunk_elems", [(37, 101, 1 << 28), (37, 101, 505), (64, 512, 3000), (1, 50, 10)])
-def test_head_ce_matches_its_reference(dtype, R, V, chunk_elems):
+def test_head_ce_matches_its_reference(dtype, R, V, chunk_elems, alpha):
     g = torch.Generator().manual_seed(R * V)
     d, K = 24, 5
     x0 = torch.randn(R, d, generator=g).to(dtype)
@@ -22,11 +34,12 @@ def test_head_ce_matches_its_reference(dtype, R, V, chunk_elems):
     y = torch.randint(0, V, (R,), generator=g)
     w = torch.rand(R, generator=g) * (torch.rand(R, generator=g) > 0.2)
     cand = torch.randint(0, V, (R, K), generator=g)
+    soft = (3 * torch.randn(R, d, generator=g)).to(dtype)  # the teacher's states: peaked distributions
     res = {}
     for name, fn in (("fused", head_ce), ("ref", head_ce_reference)):
         x = x0.clone().requires_grad_(True)
         kw = {"chunk_elems": chunk_elems} if fn is head_ce else {}
-        out = fn(x, W, y, w, topk=K, cand=cand, **kw)
+        out = fn(x, W, y, w, topk=K, cand=cand, soft=soft, alpha=alpha, **kw)
         (3.0 * out.loss).backward()
         res[name] = (out, x.grad)
     (a, ga), (b, gb) = res["fused"], res["ref"]
@@ -46,18 +59,21 @@ def test_head_ce_without_grad_or_extras():
     assert out.loss.item() == pytest.approx(head_ce_reference(x, W, y, w).loss.item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspine"])
-def test_drafter_losses_equal_with_the_reference_head(tiny, method):
+@pytest.mark.parametrize("method,soft", [("dflash", 0.0), ("dspine", 0.0), ("dspine", 0.7)])
+def test_drafter_losses_equal_with_the_reference_head(tiny, method, soft):
     """The training losses, statistics and gradients are those of the materialized-logits path."""
     target, pairs = tiny
     drafter = perturb_writes(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8))
     batch = make_batch(pairs[:6], 5, 8, 256, random.Random(0))
-    src = FeatureSource(target, [drafter])
-    feats = src.select(src(batch.ids), drafter)
+    src = FeatureSource(target, [drafter], final=bool(soft))
+    both = src(batch.ids)
+    feats, final = src.select(both, drafter), src.final(both)
     out = {}
     for chunked in (True, False):
         drafter.zero_grad(set_to_none=True)
-        res = drafter_losses(drafter, feats, batch, gamma=4.0, chunked_head=chunked)
+        res = drafter_losses(
+            drafter, feats, batch, gamma=4.0, chunked_head=chunked, soft_labels=soft, target_final=final
+        )
         res["loss"].backward()
         out[chunked] = (res, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
     (a, ga), (b, gb) = out[True], out[False]
@@ -68,3 +84,31 @@ def test_drafter_losses_equal_with_the_reference_head(tiny, method):
     assert ga.keys() == gb.keys() and ga
     for n in ga:
         assert torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_soft_labels_read_the_state_the_target_predicted_each_label_from(tiny):
+    """The tiny pairs are the target's own greedy answers: the teacher distribution of every response label has
+    that label as its argmax (one position off, almost none would). Soft labels change the loss; a weight outside
+    [0, 1] or soft labels without the target's final states are refused."""
+    target, pairs = tiny
+    drafter = perturb_writes(DSpineDraftModel.for_target(target, num_hidden_layers=2, block_size=8))
+    batch = make_batch(pairs[:6], 5, 8, 256, random.Random(1))
+    src = FeatureSource(target, [drafter], final=True)
+    both = src(batch.ids)
+    assert torch.equal(src.select(both, drafter), FeatureSource(target, [drafter])(batch.ids))
+    pos = batch.anchors[..., None] + torch.arange(8)
+    lab = pos[..., 1:].clamp(max=batch.ids.shape[1] - 1)
+    y = batch.ids.gather(1, lab.flatten(1)).view_as(lab)
+    ok = batch.label_mask.gather(1, lab.flatten(1)).view_as(lab) & (pos[..., 1:] < batch.ids.shape[1])
+    pick = (teacher_states(src.final(both), pos) @ drafter.head.t()).argmax(-1)
+    assert ok.sum() > 100 and (pick == y)[ok].float().mean() > 0.99
+    feats = src.select(both, drafter)
+    hard = drafter_losses(drafter, feats, batch, gamma=4.0)["ce"]
+    assert drafter_losses(drafter, feats, batch, gamma=4.0, soft_labels=1.0, target_final=src.final(both))["ce"] != hard
+    with pytest.raises(ValueError, match="soft_labels needs the target's final hidden states"):
+        drafter_losses(drafter, feats, batch, soft_labels=0.5)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="soft_labels is a weight in \\[0, 1\\]"):
+            TrainConfig(soft_labels=bad).validate()
+        with pytest.raises(ConfigError, match="soft_labels is a weight in \\[0, 1\\]"):
+            loss_kw(TrainConfig(), {"soft_labels": bad})

@@ -46,6 +46,9 @@ class TrainConfig:
     gamma: float = 7.0
     cos_weight: float = 0.5
     redo_weight: float = 1.0
+    # > 0: the head's CE targets (1 - a)·the label + a·the target's own distribution there (losses.py); needs the
+    # target's final hidden states from the teacher forward (one more (rows, d) slice, and (rows, V) per chunk)
+    soft_labels: float = 0.0
     seed: int = 0
     eval_every: int = 50
     save_every: int = 0  # 0: only at the end (and at each new best)
@@ -67,6 +70,8 @@ class TrainConfig:
             raise ConfigError("train.time_budget_s and train.stop_after_s must be >= 0 (0 turns them off)")
         if self.lr <= 0 or self.gamma <= 0:
             raise ConfigError("train.lr and train.gamma must be positive")
+        if not 0 <= self.soft_labels <= 1:
+            raise ConfigError(f"train.soft_labels is a weight in [0, 1] (0: hard labels only), got {self.soft_labels}")
         if self.schedule_offset_s and not 0 < self.schedule_offset_s < self.time_budget_s:
             raise ConfigError(
                 f"train.schedule_offset_s ({self.schedule_offset_s:g}) continues a time budget's cosine: it must be "
@@ -320,7 +325,7 @@ class Trainer:
                 betas=(0.9, 0.95),
                 fused=target.device.type == "cuda",
             )
-        self.src = FeatureSource(target, list(drafters.values()))
+        self.src = FeatureSource(target, list(drafters.values()), any(kw["soft_labels"] for kw in self.kws.values()))
         self.history: dict[str, list[dict]] = {n: [] for n in self.names}
         self.best = dict.fromkeys(self.names, float("-inf"))
         self.order: list[int] = []
@@ -392,6 +397,7 @@ class Trainer:
                     **self.kws[n],
                     host=False,
                     chunked_head=self.cfg.chunked_head_ce,
+                    target_final=self.src.final(feats),
                 )
             opt = self.opts[n]
             for g in opt.param_groups:

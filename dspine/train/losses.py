@@ -1,10 +1,12 @@
 """Drafter training losses (DESIGN.md §1) and held-out simulated τ.
 
 Losses (each variant switches off what it lacks):
-- CE on slots 1..B-1 weighted w_k = exp(-(k-1)/γ);
+- CE on slots 1..B-1 weighted w_k = exp(-(k-1)/γ); with `soft_labels` = a > 0 its target is (1 - a)·onehot(y) +
+  a·p_target, the target's own distribution at that position (SpecForge's soft labels: under sampling a draft is
+  accepted with Σ min(p, q), which hard labels — greedy answers most of all — teach only through the argmax);
 - layer-wise cosine between each readout f_t^l and the code T[y_t] (weights w_t), averaged over layers;
 - CE of the redone last write with the true predecessor's code (slots >= 2), so training sees what the
-  transition cache computes at decode time.
+  transition cache computes at decode time (soft labels alike).
 Random anchors inside the response; every block of every sequence in one drafter forward under a block mask;
 the frozen target's teacher-forced features come from one `FeatureSource` forward per batch for all drafters.
 """
@@ -78,7 +80,7 @@ class _HeadCE(torch.autograd.Function):
     exist whole; backward only scales the stored gradient."""
 
     @staticmethod
-    def forward(ctx, x, W, y, w, topk: int, cand, chunk: int, need_grad: bool):
+    def forward(ctx, x, W, y, w, topk: int, cand, chunk: int, need_grad: bool, soft, alpha: float):
         R = x.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         am = torch.empty(R, dtype=torch.long, device=x.device)
@@ -89,16 +91,22 @@ class _HeadCE(torch.autograd.Function):
             e = min(R, s + chunk)
             logits = (x[s:e] @ W.t()).float()  # (c, V); under autocast the matmul runs in its dtype
             lse = torch.logsumexp(logits, -1)
-            loss += (w[s:e] * (lse - logits.gather(1, y[s:e, None])[:, 0])).sum()
+            hit = logits.gather(1, y[s:e, None])[:, 0]
+            pt = (soft[s:e] @ W.t()).float().softmax(-1) if alpha else None  # (c, V) the target's distribution
+            if pt is not None:
+                hit = (1 - alpha) * hit + alpha * (pt * logits).sum(-1)
+            loss += (w[s:e] * (lse - hit)).sum()
             am[s:e] = logits.argmax(-1)
             if topk:
                 ti[s:e] = logits.topk(topk, dim=-1).indices
             if cand.numel():
                 c = cand[s:e]
                 wk[s:e] = c.gather(1, logits.gather(1, c).argmax(-1, keepdim=True))[:, 0]
-            if need_grad:  # softmax - onehot, weighted: the gradient of the weighted CE in the logits
+            if need_grad:  # softmax - label, weighted: the gradient of the weighted CE in the logits
                 p = logits.sub_(lse[:, None]).exp_()
-                p[torch.arange(e - s, device=x.device), y[s:e]] -= 1
+                if pt is not None:
+                    p.sub_(pt, alpha=alpha)
+                p[torch.arange(e - s, device=x.device), y[s:e]] -= 1 - alpha
                 grad[s:e] = (p.mul_(w[s:e, None]).to(W.dtype) @ W).to(x.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(am, ti, wk)
@@ -107,7 +115,7 @@ class _HeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, *_):
         (grad,) = ctx.saved_tensors
-        return grad * g.to(grad.dtype), None, None, None, None, None, None, None
+        return grad * g.to(grad.dtype), None, None, None, None, None, None, None, None, None
 
 
 def head_ce(
@@ -118,23 +126,30 @@ def head_ce(
     topk: int = 0,
     cand: torch.Tensor | None = None,
     chunk_elems: int = 1 << 28,
+    soft: torch.Tensor | None = None,
+    alpha: float = 0.0,
 ) -> HeadCE:
     """The weighted cross-entropy of a frozen head, chunked: x (R, d) normed hidden rows, W (V, d) the head,
     y (R,) labels, w (R,) row weights -> Σ_r w_r · CE(x_r W^T, y_r), each row's argmax, its top-`topk` ids, and
-    for `cand` (R, K) the candidate of highest logit. Chunks of about `chunk_elems` logits.
-    Reference: `head_ce_reference` (the whole logits at once, as F.cross_entropy does it)."""
+    for `cand` (R, K) the candidate of highest logit. With `soft` (R, d), the target's final hidden rows, and
+    `alpha` > 0 each row's label is (1 - alpha)·onehot(y) + alpha·softmax(soft_r W^T). Chunks of about
+    `chunk_elems` logits. Reference: `head_ce_reference` (the whole logits at once, as F.cross_entropy does it)."""
     rows = max(1, chunk_elems // W.shape[0])
     need = torch.is_grad_enabled() and x.requires_grad
     c = cand if cand is not None else y.new_empty(0, 1)
-    loss, am, ti, wk = _HeadCE.apply(x, W, y, w, topk, c, rows, need)
+    soft = soft.to(W.dtype) if alpha else x.new_empty(0, x.shape[1])
+    loss, am, ti, wk = _HeadCE.apply(x, W, y, w, topk, c, rows, need, soft, float(alpha))
     return HeadCE(loss, am, ti if topk else None, wk if cand is not None else None)
 
 
-def head_ce_reference(x, W, y, w, topk: int = 0, cand=None) -> HeadCE:
+def head_ce_reference(x, W, y, w, topk: int = 0, cand=None, soft=None, alpha: float = 0.0) -> HeadCE:
     """`head_ce` through materialized logits and F.cross_entropy (what training did before; the parity tests'
     reference)."""
     logits = F.linear(x, W).float()
-    loss = (F.cross_entropy(logits, y, reduction="none") * w).sum()
+    label = F.one_hot(y, W.shape[0]).float()
+    if alpha:
+        label = (1 - alpha) * label + alpha * F.linear(soft.to(W.dtype), W).float().softmax(-1)
+    loss = (F.cross_entropy(logits, label, reduction="none") * w).sum()
     ti = logits.topk(topk, dim=-1).indices if topk else None
     wk = cand.gather(1, logits.gather(1, cand).argmax(-1, keepdim=True))[:, 0] if cand is not None else None
     return HeadCE(loss, logits.argmax(-1), ti, wk)
@@ -152,10 +167,13 @@ def drafter_losses(
     gamma: float = 7.0,
     cos_weight: float = 0.5,
     redo_weight: float = 1.0,
+    soft_labels: float = 0.0,
     host: bool = True,
     chunked_head: bool = False,
+    target_final: torch.Tensor | None = None,
 ) -> dict:
     """feats (Bs, S, m*d) target features of batch.ids -> {"loss", "ce", "cos", "redo", "tau_sim", ...}.
+    `soft_labels` > 0 needs target_final (Bs, S, d): the target's final normed hidden states (FeatureSource.final).
 
     `host=False`: {"loss", "stats"} with the statistics left on the device (`read_stats` reads them, several
     drafters' at once: one device-to-host copy per training step instead of one per number). `chunked_head`: the
@@ -182,7 +200,13 @@ def drafter_losses(
     W = drafter.head.to(h.dtype)
     walks = cfg.uses_injection and B > 2
     K = min(cfg.top_k, W.shape[0]) if walks else 0
-    main = ce_fn(drafter.norm(h).flatten(0, 2), W, y.flatten(), (w / wsum).flatten(), topk=K)
+    teacher = None
+    if soft_labels:
+        if target_final is None:
+            raise ValueError("soft_labels needs the target's final hidden states (target_final)")
+        teacher = teacher_states(target_final, pos)
+    soft = {"soft": teacher.flatten(0, 2), "alpha": soft_labels} if teacher is not None else {}
+    main = ce_fn(drafter.norm(h).flatten(0, 2), W, y.flatten(), (w / wsum).flatten(), topk=K, **soft)
     ce = main.loss
     total = ce
     stats = {"ce": ce.detach()}
@@ -214,6 +238,7 @@ def drafter_losses(
                 y[:, :, 1:].flatten(),
                 (wr / wr.sum().clamp_min(1e-6)).flatten(),
                 cand=cand.flatten(0, 2),
+                **({"soft": teacher[:, :, 1:].flatten(0, 2), "alpha": soft_labels} if teacher is not None else {}),
             )
             redo = r.loss
             stats["redo"] = redo.detach()
@@ -225,6 +250,15 @@ def drafter_losses(
             pred = torch.cat([pred[:, :, :1], walk], dim=2)
     stats["slot_acc"] = _slot_acc(pred, y, valid)
     return {"loss": total, **read_stats({"": stats})[""]} if host else {"loss": total, "stats": stats}
+
+
+def teacher_states(target_final: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """target_final (Bs, S, d), block positions pos (Bs, nb, B) -> (Bs, nb, B-1, d): for each label (slots 1..B-1)
+    the target's final state at the position before it, where the target predicted it."""
+    Bs, nb, B = pos.shape
+    rows = pos[..., :-1].clamp(max=target_final.shape[1] - 1).reshape(Bs, -1)
+    out = target_final.gather(1, rows[..., None].expand(-1, -1, target_final.shape[-1]))
+    return out.view(Bs, nb, B - 1, -1)
 
 
 def _slot_acc(pred: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -254,8 +288,9 @@ def read_stats(stats: dict[str, dict]) -> dict[str, dict]:
 class FeatureSource:
     """One teacher-forced target forward per batch serves drafters that read different target layers."""
 
-    def __init__(self, target, drafters):
-        self.target = target
+    def __init__(self, target, drafters, final: bool = False):
+        """`final`: the target's final normed hidden states come along as the last d columns (soft labels)."""
+        self.target, self.final_too = target, final
         self.layers = sorted({i for d in drafters for i in d.config.target_layer_ids})
         d = target.info.hidden_size
         self._cols = {}
@@ -263,24 +298,29 @@ class FeatureSource:
             idx = [self.layers.index(i) for i in dr.config.target_layer_ids]
             self._cols[id(dr)] = (
                 None
-                if idx == list(range(len(self.layers)))
+                if idx == list(range(len(self.layers))) and not final
                 else torch.cat([torch.arange(j * d, (j + 1) * d) for j in idx]).to(target.device)
             )
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (N, S) -> (N, S, len(union) * d). TF32 matmuls on CUDA: features, not outputs, are needed."""
+        """ids (N, S) -> (N, S, len(union) * d), + d with `final`. TF32 matmuls on CUDA (soft labels' target
+        distributions included: they are labels, not outputs)."""
         if self.target.device.type != "cuda":
-            return self.target.features(ids, self.layers)
+            return self.target.features(ids, self.layers, self.final_too)
         prev = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
         try:
-            return self.target.features(ids, self.layers)
+            return self.target.features(ids, self.layers, self.final_too)
         finally:
             torch.set_float32_matmul_precision(prev)
 
     def select(self, feats: torch.Tensor, drafter) -> torch.Tensor:
         cols = self._cols[id(drafter)]
         return feats if cols is None else feats.index_select(-1, cols)
+
+    def final(self, feats: torch.Tensor) -> torch.Tensor | None:
+        """(N, S, d) the target's final normed hidden states, when asked for."""
+        return feats[..., -self.target.info.hidden_size :] if self.final_too else None
 
 
 @torch.no_grad()
@@ -294,7 +334,8 @@ def evaluate_tau_sims(
 ) -> dict[str, float]:
     """Held-out simulated τ of each drafter on the same batches and anchors."""
     rng = random.Random(seed)
-    src = FeatureSource(target, list(drafters.values()))
+    kws = {name: loss_kw(cfg, (losses or {}).get(name)) for name in drafters}
+    src = FeatureSource(target, list(drafters.values()), final=any(kw["soft_labels"] for kw in kws.values()))
     block = {d.config.block_size for d in drafters.values()}
     if len(block) != 1:
         raise ValueError("drafters evaluated together must share a block size")
@@ -306,14 +347,14 @@ def evaluate_tau_sims(
         )
         feats = src(batch.ids)
         for name, d in drafters.items():
-            kw = loss_kw(cfg, (losses or {}).get(name))
-            res = drafter_losses(d, src.select(feats, d), batch, **kw, chunked_head=cfg.chunked_head_ce)
+            kw = {**kws[name], "chunked_head": cfg.chunked_head_ce, "target_final": src.final(feats)}
+            res = drafter_losses(d, src.select(feats, d), batch, **kw)
             taus[name] += res["tau_sim"] * len(batch.ids)
         n += len(batch.ids)
     return {k: v / max(1, n) for k, v in taus.items()}
 
 
-LOSS_KEYS = ("gamma", "cos_weight", "redo_weight")
+LOSS_KEYS = ("gamma", "cos_weight", "redo_weight", "soft_labels")
 
 
 def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:
@@ -321,4 +362,7 @@ def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:
     bad = set(override or {}) - set(LOSS_KEYS)
     if bad:
         raise ConfigError(f"unknown loss override(s) {sorted(bad)}; known: {list(LOSS_KEYS)}")
-    return {**kw, **(override or {})}
+    kw.update(override or {})
+    if not 0 <= kw["soft_labels"] <= 1:
+        raise ConfigError(f"soft_labels is a weight in [0, 1] (0: hard labels only), got {kw['soft_labels']}")
+    return kw
