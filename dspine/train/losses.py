@@ -205,8 +205,11 @@ def drafter_losses(
         if target_final is None:
             raise ValueError("soft_labels needs the target's final hidden states (target_final)")
         teacher = teacher_states(target_final, pos)
-    soft = {"soft": teacher.flatten(0, 2), "alpha": soft_labels} if teacher is not None else {}
-    main = ce_fn(drafter.norm(h).flatten(0, 2), W, y.flatten(), (w / wsum).flatten(), topk=K, **soft)
+
+    def soft(slots: slice) -> dict:  # head_ce's soft-label arguments for those slots' rows
+        return {} if teacher is None else {"soft": teacher[:, :, slots].flatten(0, 2), "alpha": soft_labels}
+
+    main = ce_fn(drafter.norm(h).flatten(0, 2), W, y.flatten(), (w / wsum).flatten(), topk=K, **soft(slice(None)))
     ce = main.loss
     total = ce
     stats = {"ce": ce.detach()}
@@ -238,7 +241,7 @@ def drafter_losses(
                 y[:, :, 1:].flatten(),
                 (wr / wr.sum().clamp_min(1e-6)).flatten(),
                 cand=cand.flatten(0, 2),
-                **({"soft": teacher[:, :, 1:].flatten(0, 2), "alpha": soft_labels} if teacher is not None else {}),
+                **soft(slice(1, None)),
             )
             redo = r.loss
             stats["redo"] = redo.detach()
