@@ -136,7 +136,8 @@ def test_draft_tree_nodes_follow_the_table_and_verification_walks_the_tree():
     # best candidate other than the sampled one, and below a ranked node everything is ranked
     hot = SamplingParams(temperature=1.5)
     for seed in range(8):
-        toks, q = propose_tree(d, out, tree, hot, torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            toks, q = propose_tree(d, out, tree, hot, torch.Generator().manual_seed(seed))
         chain = propose(d, out, hot, torch.Generator().manual_seed(seed), draft_len=4).tokens[0].tolist()
         assert toks[:1] + toks[3:4] + toks[5:] == chain  # the same draws as the chain's walk
         assert all(q[i] is not None and float(q[i][toks[i]]) > 0 for i in (0, 3, 5, 6))
