@@ -217,6 +217,20 @@ class DraftTree:
         return m
 
 
+def sample_first_slot(
+    logits1: torch.Tensor, cand: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot 1's logits (N, V), candidates cand (N, D, K) -> (q1 (N, V), the sample's index among slot 1's
+    candidates (N,)): slot 1 samples from its full warped distribution, and the sample is put among its candidates
+    (in place of the K-th when it was not one) so that the walk can continue from it."""
+    q1 = warp_probs(logits1, params)
+    x1 = sample(q1, generator)
+    hit = cand[:, 0] == x1[:, None]
+    first_idx = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(x1, cand.shape[-1] - 1))
+    cand[:, 0] = cand[:, 0].scatter(1, first_idx[:, None], x1[:, None])
+    return q1, first_idx
+
+
 def propose_tree(
     drafter: DSpineDraftModel,
     out: DraftOutput,
@@ -236,12 +250,8 @@ def propose_tree(
     chain: list[int] = []  # the sampled walk's candidate index (table) or token (no table) per slot
     qs: list[torch.Tensor] = []
     if sampled:
-        if table:  # propose()'s walk: slot 1 from its full distribution, put among its candidates
-            q1 = warp_probs(logits[0, 0], params)
-            x1 = int(sample(q1, generator))
-            hit = (cand[0, 0] == x1).nonzero()
-            first = int(hit[0, 0]) if len(hit) else cand.shape[-1] - 1
-            cand[0, 0, first] = x1
+        if table:  # propose()'s walk
+            q1, first = sample_first_slot(logits[:, 0], cand, params, generator)
         else:
             qs = list(warp_probs(logits[0], params))
             chain = [int(sample(q, generator)) for q in qs]
@@ -253,9 +263,9 @@ def propose_tree(
         S = scores_table(inj, drafter.norm, drafter.head, drafter.transfer_codes, h_pre, f, cand, False)
         order = S[0].argsort(-1, descending=True).tolist()  # (D-1, K, K): successors of each candidate, best first
         if sampled:
-            rest, q_rest = walk_sample(cand, S, torch.tensor([first]), params, V, generator)
-            chain = [first] + [cand[0, t + 1].tolist().index(x) for t, x in enumerate(rest[0].tolist())]
-            qs = [q1, *q_rest[0]]
+            rest, q_rest = walk_sample(cand, S, first, params, V, generator)
+            chain = [int(first)] + [cand[0, t + 1].tolist().index(x) for t, x in enumerate(rest[0].tolist())]
+            qs = [q1[0], *q_rest[0]]
     cand = cand[0].tolist()
     nodes: list[tuple[int, torch.Tensor | None, int]] = []  # (token, q, index among its slot's candidates)
     for path, par in zip(tree.paths, tree.parents):
@@ -307,11 +317,7 @@ def propose(
     if greedy:
         return Proposal(greedy_transition_walk(cand, *state), None)
     fast = kernels.enabled(logits)
-    q1 = warp_probs(logits[:, 0], params)  # (N, V)
-    x1 = sample(q1, generator)
-    hit = cand[:, 0] == x1[:, None]
-    first_idx = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(x1, K - 1))
-    cand[:, 0] = cand[:, 0].scatter(1, first_idx[:, None], x1[:, None])
+    q1, first_idx = sample_first_slot(logits[:, 0], cand, params, generator)
     S = scores_table(*state, cand, fast)
     if fast:  # the kernel samples by inverse CDF from uniforms drawn here, on the request's generator
         from dspine.kernels.transition import fused_walk_sample
