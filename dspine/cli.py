@@ -481,6 +481,15 @@ def _add_eval(sub) -> None:
         help="ask at most this many turns of multi-turn items (default: all; 1 matches a single-turn "
         "server benchmark such as `dspine bench --backend sglang`)",
     )
+    e.add_argument(
+        "--draft-tree",
+        action="append",
+        default=[],
+        metavar="NAME=TREE",
+        help="rounds of drafter NAME verify this draft tree instead of the chain of block_size - 1 drafts "
+        "(repeatable; see `dspine generate --help` for TREE), e.g. --drafter chain=builtin --drafter "
+        "tree=builtin --draft-tree tree=000000000000000.1.01 compares both in one run",
+    )
     e.add_argument("--out", required=True, help="JSON file to write (a .md table is written beside it)")
     e.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     e.add_argument(
@@ -948,7 +957,8 @@ def cmd_traces(a) -> int:
 def cmd_eval(a) -> int:
     import os
 
-    from dspine.eval.acceptance import evaluate, markdown_table, write_results
+    from dspine.decoding import DraftTree
+    from dspine.eval.acceptance import check_trees, evaluate, markdown_table, write_results
 
     benches = _benchmark_names(a.benchmarks)
     temps = [float(t) for t in a.temperatures.split(",")]
@@ -959,10 +969,23 @@ def cmd_eval(a) -> int:
     if a.turns is not None and a.turns < 1:
         raise UsageError("--turns must be >= 1")
     specs = _drafter_specs(a.drafter, a.target)
+    trees = {}
+    for t in a.draft_tree:
+        name, sep, spec = t.partition("=")
+        if not sep or name not in specs:
+            raise UsageError(f"--draft-tree {t!r}: NAME=TREE with NAME one of the --drafter names ({', '.join(specs)})")
+        try:
+            trees[name] = DraftTree.parse(spec)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.access(out_dir if os.path.isdir(out_dir) else os.path.dirname(out_dir), os.W_OK):
         raise UsageError(f"cannot write {a.out}")
     target, drafters = _load_models(a, specs)
+    try:
+        check_trees(drafters, trees)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     doc = evaluate(
         target,
         drafters,
@@ -975,6 +998,7 @@ def cmd_eval(a) -> int:
         target_spec=(a.target, a.dtype, a.device),
         drafter_paths=specs,
         max_turns=a.turns,
+        trees=trees,
     )
     write_results(doc, a.out)
     print(markdown_table(doc))

@@ -259,3 +259,28 @@ def test_eval_first_turns_only(smollm2):
     tok = lambda doc, m: doc["results"]["mt_bench"]["T0"][m]["tokens"]
     assert tok(first, "ar") == tok(first, "d") == 8 and tok(both, "ar") == 16
     assert first["max_turns"] == 1 and first["results"]["mt_bench"]["T0"]["d"]["exact_match_with_ar"] == "1/1"
+
+
+def test_eval_through_a_draft_tree(smollm2, tmp_path, capsys):
+    """`--draft-tree NAME=TREE`: that drafter's rounds verify the tree (still AR's tokens at T0), the
+    others the chain; bad trees are refused by name before any decoding."""
+    from dspine.checkpoint import load_drafter
+    from dspine.drafters import builtin_drafter
+    from dspine.eval.acceptance import evaluate, markdown_table
+
+    d = load_drafter(builtin_drafter("smollm2-135m-instruct"), smollm2, dtype=torch.float32)
+    doc = evaluate(smollm2, {"chain": d, "tree": d}, ["gsm8k"], 1, [0.0], 24, progress=False, trees={"tree": "0000.1"})
+    cell = doc["results"]["gsm8k"]["T0"]
+    assert cell["chain"]["exact_match_with_ar"] == cell["tree"]["exact_match_with_ar"] == "1/1"
+    assert sum(cell["tree"]["accept_hist"]) > 0 == sum(cell["tree"]["accept_hist"][5:])  # at most its depth, 4
+    assert cell["tree"]["tau_mean"] > 1 and doc["draft_trees"] == {"tree": "0000.1"}
+    assert "tree: rounds verify the draft tree 0000.1" in markdown_table(doc)
+    out = str(tmp_path / "e.json")
+    for tree, err in (
+        ("nope=0000", "one of the --drafter names"),
+        ("d=00a", "rank digits"),
+        ("d=" + "0" * 16, "block size"),
+    ):
+        assert main(["eval", "--drafter", "d=builtin", "--draft-tree", tree, "--limit", "1", "--out", out]) == 2
+        assert err in capsys.readouterr().err
+    assert not (tmp_path / "e.json").exists()

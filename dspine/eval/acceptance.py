@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dspine.checkpoint import config_to_json, load_models
+from dspine.decoding import DraftTree
 from dspine.engine import Engine, generate_batch
 from dspine.io import atomic_write_text, json_text, md_table, provenance
 from dspine.plots import line_panels
@@ -73,6 +74,7 @@ def evaluate(
     target_spec: tuple | None = None,
     drafter_paths: dict | None = None,
     max_turns: int | None = None,
+    trees: dict[str, str] | None = None,
 ) -> dict:
     """drafters: name -> DSpineDraftModel. Returns {"results": {bench: {"T0": {method: {...}}}}, ...}.
 
@@ -81,12 +83,14 @@ def evaluate(
     models from `target_spec` = (spec, dtype, device) and `drafter_paths` (name -> checkpoint folder, or
     (folder, decode knobs): `load_at`). Results are
     identical to workers=1. `max_turns` asks only the first turns of multi-turn items (MT-Bench) — what a
-    single-turn server benchmark sends.
+    single-turn server benchmark sends. `trees`: name -> draft tree spec (decoding.DraftTree) for drafters
+    whose rounds verify a tree instead of the chain of block_size - 1 drafts.
     """
     import dataclasses
 
     from tqdm.auto import tqdm
 
+    trees = check_trees(drafters, trees)
     units = [
         (b, i, dataclasses.replace(it, turns=it.turns[:max_turns]) if max_turns else it)
         for b in benchmarks
@@ -95,14 +99,14 @@ def evaluate(
     per_item: dict = {}
     bar = tqdm(total=len(units), desc="eval", disable=not progress)
     if workers <= 1:
-        engines = {"ar": Engine(target), **{n: Engine(target, d) for n, d in drafters.items()}}
+        engines = _engines(target, drafters, trees)
         for b, i, it in units:
             per_item[b, i] = eval_item(engines, it, temperatures, max_new_tokens, seed + i)
             bar.update(1)
     else:
         import concurrent.futures as cf
 
-        with _pool(workers, target_spec, drafter_paths) as pool:
+        with _pool(workers, target_spec, drafter_paths, trees) as pool:
             futs = {pool.submit(_worker_item, it, temperatures, max_new_tokens, seed + i): (b, i) for b, i, it in units}
             for f in cf.as_completed(futs):
                 per_item[futs[f]] = f.result()
@@ -147,6 +151,7 @@ def evaluate(
         "dtype": str(target.dtype).replace("torch.", ""),
         "workers": workers,
         "max_turns": max_turns,
+        "draft_trees": {n: str(t) for n, t in trees.items()},
     }
 
 
@@ -205,7 +210,31 @@ def _stats_of(st) -> dict:
             "block_size": st.block_size}  # fmt: skip
 
 
-def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None):
+def check_trees(drafters: dict, trees: dict | None) -> dict[str, DraftTree]:
+    """name -> tree spec -> name -> DraftTree, each for a named drafter whose block and top_k can draft it
+    (ValueError naming the problem otherwise)."""
+    out = {}
+    for name, spec in (trees or {}).items():
+        if name not in drafters:
+            raise ValueError(f"draft tree for {name!r}: no drafter of that name (drafters: {', '.join(drafters)})")
+        tree = spec if isinstance(spec, DraftTree) else DraftTree.parse(spec)
+        cfg = drafters[name].config
+        if not tree.fits(cfg):
+            raise ValueError(
+                f"draft tree {tree} for {name!r}: needs depth below the block size ({cfg.block_size}) and ranks "
+                f"below top_k ({cfg.top_k})"
+            )
+        out[name] = tree
+    return out
+
+
+def _engines(target, drafters: dict, trees: dict | None = None) -> dict[str, Engine]:
+    """AR's engine and each drafter's (through its draft tree where `trees` names one)."""
+    trees = trees or {}
+    return {"ar": Engine(target), **{n: Engine(target, d, tree=trees.get(n)) for n, d in drafters.items()}}
+
+
+def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None, trees: dict | None = None):
     import concurrent.futures as cf
     import multiprocessing as mp
 
@@ -217,14 +246,14 @@ def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None):
         workers,
         mp_context=ctx,
         initializer=_worker_init,
-        initargs=(target_spec, drafter_paths, threads, ctx.Value("i", 0)),
+        initargs=(target_spec, drafter_paths, threads, ctx.Value("i", 0), trees),
     )
 
 
 _ENGINES: dict = {}
 
 
-def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int, counter) -> None:
+def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int, counter, trees: dict | None = None) -> None:
     """Load the models once per worker; with device "cuda" and several visible GPUs, worker i takes GPU
     i mod count (the requests are independent, so any spread gives the same results)."""
     torch.set_num_threads(threads)
@@ -234,8 +263,7 @@ def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int, counter)
     if device == "cuda" and torch.cuda.device_count() > 1:
         torch.cuda.set_device(index % torch.cuda.device_count())
     target, drafters = load_models(spec, dtype, device, drafter_paths)
-    _ENGINES["ar"] = Engine(target)
-    _ENGINES.update({n: Engine(target, d) for n, d in drafters.items()})
+    _ENGINES.update(_engines(target, drafters, trees))
 
 
 def _worker_item(item, temperatures, max_new_tokens, seed):
@@ -279,6 +307,8 @@ def markdown_table(doc: dict) -> str:
             if all(em):
                 ok, n = sum(e["matched"] for e in em), sum(e["requests"] for e in em)
                 lines.append(f"\n{m}: exact match with AR on {ok}/{n} requests at {key}")
+    for m, tree in doc.get("draft_trees", {}).items():
+        lines.append(f"\n{m}: rounds verify the draft tree {tree} (τ per target forward; the others a chain)")
     lines.append(slot_table(doc))
     rep = doc.get("train_report", {}).get("methods")
     if rep:
