@@ -204,6 +204,27 @@ class DraftTree:
         """(n+1,) positions after the anchor's: 0 for the anchor, then each node's depth."""
         return torch.tensor([0] + [len(p) for p in self.paths])
 
+    def prune(self, rates, nodes: int) -> DraftTree:
+        """The best subtree of at most `nodes` nodes, from each node's acceptance rate measured through this
+        tree (per round, in paths order: `engine.TreeProfile`); a node never accepted is never kept. A node
+        enters only after its parent and its next-better sibling: siblings are verified best first and a child
+        only below its accepted parent, so each kept node is accepted as often in the subtree as it was here
+        (but for the drafter running fewer block slots under a shallower tree), and the subtree's τ is 1 + the
+        sum of its kept rates. Greedy over that frontier, best rate first (the static-tree criterion of Sequoia
+        and EAGLE-2: expected accepted tokens per verified node)."""
+        if len(rates) != len(self.paths) or nodes < 1:
+            raise ValueError(f"prune: one rate per node ({len(self.paths)}) and nodes >= 1")
+        rate = dict(zip(self.paths, map(float, rates)))
+        kept: set = set()
+        while len(kept) < min(nodes, len(self.paths)):
+            ready = [p for p in self.paths if p not in kept and (len(p) == 1 or p[:-1] in kept)
+                     and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in kept)]  # fmt: skip
+            best = max(ready, key=lambda p: (rate[p], -len(p), [-r for r in p]), default=None)
+            if best is None or rate[best] <= 0:  # a node never accepted only costs its verify row
+                break
+            kept.add(best)
+        return DraftTree(tuple(sorted(kept, key=lambda p: (len(p), p))))
+
     @cached_property
     def mask(self) -> torch.Tensor:
         """(n+1, n+1) bool over [anchor, nodes]: each row sees the anchor, its ancestors and itself."""

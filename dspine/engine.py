@@ -130,7 +130,7 @@ def _tree_round(
     """A round through a draft tree after the drafter's forward: the nodes verified in one target forward under
     the tree mask beside the cache's `visible` (1, W) columns, the accepted path's entries kept behind them (the
     rest dropped, in the cache and in the drafter's context) -> (the accepted drafts and the target's next token,
-    the target's raw logits each was chosen from (len, V))."""
+    the target's raw logits each was chosen from (len, V), the accepted nodes' indices)."""
     dev = tgt.device
     toks, q = propose_tree(drafter, out, tree, params, gen)
     clock.lap("propose")
@@ -149,7 +149,24 @@ def _tree_round(
     rows = [0] + [i + 1 for i in path]
     tgt.keep_cache(cache, W, rows)
     ctx.extend(feats[:, rows], pos[:, rows])
-    return [toks[i] for i in path] + [nxt], logits[0, rows]
+    return [toks[i] for i in path] + [nxt], logits[0, rows], path
+
+
+class TreeProfile:
+    """How often each node of the engine's draft tree was accepted, over its tree rounds (`DraftTree.prune`
+    turns the rates into a smaller tree)."""
+
+    def __init__(self, nodes: int):
+        self.accepted, self.rounds = [0] * nodes, 0
+
+    def record(self, path: list[int]) -> None:
+        self.rounds += 1
+        for i in path:
+            self.accepted[i] += 1
+
+    @property
+    def rates(self) -> list[float]:
+        return [a / max(self.rounds, 1) for a in self.accepted]
 
 
 class DraftContext:
@@ -203,6 +220,7 @@ class Engine:
                     f"below the drafter's top_k ({drafter.config.top_k if drafter is not None else '-'})"
                 )
             draft_len = draft_len or self.tree.depth
+        self.tree_profile = TreeProfile(len(self.tree.paths) if self.tree is not None else 0)
         if draft_len is not None and not 1 <= draft_len <= B - 1:
             raise ValueError(f"draft_len must be in [1, {B - 1}] for this drafter (block size {B}), got {draft_len}")
         self.draft_len = draft_len or max(B - 1, 0)
@@ -308,8 +326,11 @@ class Engine:
             clock.lap("draft")
             if tree is not None:
                 visible = torch.ones(1, P, dtype=torch.bool, device=dev)
-                toks, _ = _tree_round(tgt, self.drafter, tree, out, anchor, P, cache, ctx, visible, clock, params, gen)
+                toks, _, path = _tree_round(
+                    tgt, self.drafter, tree, out, anchor, P, cache, ctx, visible, clock, params, gen
+                )
                 stats.record(len(toks) - 1)
+                self.tree_profile.record(path)
                 P += len(toks)
                 done = any(stop.push(tok) for tok in toks)
                 anchor = toks[-1]
@@ -525,9 +546,10 @@ class BatchDecode:
         mask = block_attention_mask(self.valid[:, None], Bd, drafter.config.is_causal)
         out = drafter(drafter.block_inputs(torch.tensor([[anchor]], device=dev), Bd), pos[:, None], self.ctx.kv, mask)
         P, clock = int(self.committed[0]), _PhaseClock(dev, False)
-        toks, raw = _tree_round(
+        toks, raw, path = _tree_round(
             tgt, drafter, tree, out, anchor, P, self.cache, self.ctx, self.valid, clock, self.params, self.gen
         )
+        self.engine.tree_profile.record(path)
         self.valid = torch.cat([self.valid, self.valid.new_ones(1, len(toks))], 1)
         self.committed = self.committed + len(toks)
         self.stats[0].record(len(toks) - 1)

@@ -208,6 +208,14 @@ def test_draft_trees_stay_lossless(tiny, method):
             got = eng.generate(p, greedy)
             assert got.token_ids == w, (spec, p)
             assert not any(got.stats.accept_hist[depth + 1 :])
+    # the tree's profile: each round's accepted path counted per node, matching the round's acceptance
+    eng = Engine(target, drafter, tree="00.1.01.10.11.3")
+    st = eng.generate(prompts[0], greedy).stats
+    prof, paths = eng.tree_profile, eng.tree.paths
+    assert prof.rounds == st.rounds and sum(prof.accepted) == st.accepted
+    rate = dict(zip(paths, prof.rates))
+    for p in [(), *paths]:  # one path a round: a node's children together accepted at most as often as the node
+        assert sum(rate[c] for c in paths if c[:-1] == p) <= rate.get(p, 1.0) + 1e-9
     # a batch of one request (serve's rounds) verifies the tree too (the same rounds); two requests verify chains
     (one,) = generate_batch(eng, prompts[:1], greedy)
     assert one.token_ids == want[0] and one.stats.accept_hist == eng.generate(prompts[0], greedy).stats.accept_hist

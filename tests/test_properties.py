@@ -368,3 +368,17 @@ def test_result_json_keeps_number_lists_on_one_line():
     text = json_text(doc)
     assert json.loads(text) == doc
     assert "[1, 2, 3]" in text and "[0, -1, 2.5e-07]" in text and '"a",' in text  # strings stay one per line
+
+
+def test_draft_tree_prune_keeps_parents_and_better_siblings():
+    """DraftTree.prune: best rate first among nodes whose parent and next-better sibling are kept; never a node
+    without acceptances; rates must match the nodes."""
+    tree = DraftTree.parse("000.01.1.2")  # (0) (1) (2) (00) (01) (000)
+    rates = dict(zip(["0", "1", "2", "00", "01", "000"], [0.5, 0.1, 0.2, 0.3, 0.0, 0.15]))
+    r = [rates["".join(map(str, p))] for p in tree.paths]
+    assert str(tree.prune(r, 1)) == "0" and str(tree.prune(r, 3)) == "000"
+    assert str(tree.prune(r, 4)) == "000.1"  # rank 2 (0.2) waits for rank 1 (0.1), then comes next
+    assert str(tree.prune(r, 5)) == "000.1.2"
+    assert tree.prune(r, 99).paths == tuple(p for p in tree.paths if p != (0, 1))  # 01 was never accepted
+    with pytest.raises(ValueError, match="one rate per node"):
+        tree.prune(r[:-1], 3)
