@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--pools", default="sharegpt_3k+gsm8k_train+mbpp_train", help="prompt pools, '+'-joined")
     ap.add_argument("--limit", type=int, default=12, help="prompts per pool (default: %(default)s)")
+    ap.add_argument("--max-chars", type=int, default=2000, help="longest prompt kept (default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument(
         "--rank-sums",
@@ -72,7 +73,7 @@ def main() -> int:
     cfg = drafters["d"].config
     tree = candidate_tree(a.depth or cfg.block_size - 1, sums, cfg.top_k)
     eng = Engine(target, drafters["d"], tree=tree)
-    prompts = load_prompts(a.pools, a.limit)
+    prompts = load_prompts(a.pools, a.limit, a.max_chars)
     t0, tokens = time.perf_counter(), 0
     for i, p in enumerate(tqdm(prompts, desc=f"profile {len(tree.paths)} nodes")):
         res = eng.generate(p, SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, seed=i))
@@ -97,6 +98,7 @@ def main() -> int:
         "temperature": a.temperature,
         "pools": a.pools,
         "prompts": len(prompts),
+        "max_chars": a.max_chars,
         "max_new_tokens": a.max_new_tokens,
         "tokens": tokens,
         "seconds": time.perf_counter() - t0,
