@@ -16,7 +16,10 @@
 #                                                  training + MORE seconds
 #   bash bench/base_drafter_gpu.sh more S          resume training until S seconds after the call began
 #   bash bench/base_drafter_gpu.sh eval            the 7-benchmark τ table (T = 0 and 1, DSpine vs DFlash) to $OUT,
-#                                                  the DSpine drafter in the shipped format in 15 MB pieces
+#                                                  the DSpine drafter in the shipped format in 15 MB pieces;
+#                                                  TREE=SPEC adds both drafters decoded through that draft tree
+#                                                  (rows dspine_t, dflash_t; ~1.6x the eval's time), e.g. session
+#                                                  28's T = 0 pick (bench/results/tree_profile_t0.md, 32 nodes)
 #   bash bench/base_drafter_gpu.sh back dflash     the DFlash twin (shipped format) and the packed data in 15 MB
 #                                                  pieces, for the next run's `stage` (the lockstep continues)
 #   bash bench/base_drafter_gpu.sh back dspine     the DSpine drafter likewise (a run that skips `eval`)
@@ -82,7 +85,8 @@ more)
   r=$([ -f $W/train_report.json ] && echo --resume || true)
   python bench/recipe.py --stage train $r $(common) train.stop_after_s=$(left $(($2 - 45))) | tail -c 2500 ;;
 eval)
-  python bench/recipe.py --stage eval $(common) --out $OUT/acceptance.json | tail -c 3000
+  python bench/recipe.py --stage eval $(common) ${TREE:+"eval_trees={\"t\":\"$TREE\"}"} --out $OUT/acceptance.json \
+    | tail -c 3000
   ship
   cp $W/train_report.json $OUT/
   split -b 15000000 -d $W/ship/dspine/model.safetensors $OUT/dspine.part

@@ -10,6 +10,7 @@ import torch
 
 from dspine.checkpoint import load_drafter
 from dspine.cli import main
+from dspine.config import ConfigError
 from dspine.train.data import RegenError, load_samples, regenerate_dataset
 
 
@@ -221,7 +222,8 @@ def test_tiny_recipe_end_to_end(tmp_path):
     pts = [float(xy.split(",")[0]) for xy in svg.split('points="')[1].split('"')[0].split()]
     rel = lambda v: [(t - v[0]) / (v[-1] - v[0]) for t in v]  # points placed to scale in x
     assert rel(pts) == pytest.approx(rel(cur["x"]), abs=2e-3)
-    cfg = dataclasses.replace(cfg, eval_top_k=[2])  # plus the dspine drafter decoded with a 2-wide walk
+    # plus the dspine drafter decoded with a 2-wide walk, and every method through one draft tree
+    cfg = dataclasses.replace(cfg, eval_top_k=[2], eval_trees={"t": "00.1"})
     doc = run_eval_stage(cfg, tmp_path, tmp_path / "acc.json", progress=False)
     # two engine processes give the very same tokens and acceptance as one
     par = run_eval_stage(dataclasses.replace(cfg, eval_workers=2), tmp_path, tmp_path / "par.json", progress=False)
@@ -233,8 +235,11 @@ def test_tiny_recipe_end_to_end(tmp_path):
     md = (tmp_path / "acc.md").read_text()
     assert "Held-out simulated" in md and "Per-slot acceptance at T = 0" in md
     svg = (tmp_path / "acc.svg").read_text()  # the per-slot chart: a line per drafter and panel (T = 0: 2 panels)
-    assert svg.startswith("<svg") and svg.count("<polyline") == 2 * 4
-    assert all(f"<title>{m}</title>" in svg for m in ("dflash", "post_backbone", "dspine", "dspine_k2"))
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2 * 7
+    assert all(f"<title>{m}</title>" in svg for m in ("dflash", "post_backbone", "dspine", "dspine_k2", "dflash_t"))
+    assert "τ(dspine_t) / τ(dflash_t) at T0" in md and doc["draft_trees"]["post_backbone_t"] == "00.1"
+    with pytest.raises(ConfigError, match="eval_trees.t: draft tree '0a'"):
+        dataclasses.replace(cfg, eval_trees={"t": "0a"}).validate()
     for bench in doc["results"].values():
         for m, r in bench["T0"].items():
             if m != "ar":
@@ -244,7 +249,9 @@ def test_tiny_recipe_end_to_end(tmp_path):
     update_summary(tmp_path / "summary.json", "load", {"clients": 1})
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["acceptance"]["T0"]["ar"] == 1.0
-    assert set(s["acceptance"]["T0"]) == {"ar", "dflash", "post_backbone", "dspine", "dspine_k2"}
+    assert set(s["acceptance"]["T0"]) == {"ar", "dflash", "post_backbone", "dspine", "dspine_k2"} | {
+        f"{m}_t" for m in ("dflash", "post_backbone", "dspine")
+    }
     assert s["load"] == {"clients": 1} and (tmp_path / "acc.md").is_file()
 
 

@@ -299,9 +299,11 @@ def markdown_table(doc: dict) -> str:
         rows = [[m, *(f"{results[b][key][m]['tau_mean']:.3f}" for b in results), f"{means[key][m]:.3f}"]
                 for m in methods]  # fmt: skip
         lines.append(md_table(["method", *results, "mean"], rows))
+        trees = ["", *(f"_{m[len('dspine_') :]}" for m in doc.get("draft_trees", {}) if m.startswith("dspine_"))]
         for a, b in (("dspine", "dflash"), ("dspine", "post_backbone")):
-            if a in methods and b in methods:
-                lines.append(f"\nτ({a}) / τ({b}) at {key}: {means[key][a] / means[key][b]:.3f}")
+            for t in trees:  # the chain, then each tree both were decoded through
+                if a + t in methods and b + t in methods:
+                    lines.append(f"\nτ({a + t}) / τ({b + t}) at {key}: {means[key][a + t] / means[key][b + t]:.3f}")
         for m in methods:
             em = [results[b][key][m].get("exact_match") for b in results]
             if all(em):

@@ -5,7 +5,8 @@ All drafters (the three methods and any ablations) train in lockstep: the same b
 target forward per batch, the same schedule — "identical data and steps" by construction. Ablations are
 named variants (method + drafter-config and loss overrides) measured by held-out simulated τ in the same
 run, and through the engine with `eval_ablations`. Decode-time variants need no training: `eval_top_k`
-adds rows for the dspine checkpoint decoded with other transition-cache widths.
+adds rows for the dspine checkpoint decoded with other transition-cache widths, `eval_trees` rows for every
+method decoded through draft trees (the same tree for each: the DSpine/DFlash comparison through trees).
 
 Stages, each one GPU command: `regen`, `train` (regen is resumable, so it is a no-op after `regen`),
 `eval` (the benchmark table, JSON, `bench/results/summary.json`'s acceptance section).
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from dspine.checkpoint import load_models
+from dspine.decoding import DraftTree
 from dspine.drafter import DSpineConfig
 from dspine.eval.acceptance import evaluate, write_results
 from dspine.io import atomic_write_text
@@ -89,6 +91,7 @@ class RecipeConfig:
     eval_workers: int = 8
     eval_ablations: bool = False
     eval_top_k: list[int] = field(default_factory=list)  # extra rows: dspine decoded with these walk widths
+    eval_trees: dict[str, str] = field(default_factory=dict)  # label -> draft tree: rows <method>_<label>
 
     def validate(self) -> None:
         from dspine.config import ConfigError
@@ -101,6 +104,11 @@ class RecipeConfig:
             raise ConfigError(f"recipe: unknown method(s) {bad}; known: {list(VARIANTS)}")
         if self.eval_top_k and ("dspine" not in self.methods or min(self.eval_top_k) < 1):
             raise ConfigError("recipe.eval_top_k: widths >= 1 for the dspine drafter (methods must include dspine)")
+        for label, spec in self.eval_trees.items():
+            try:
+                DraftTree.parse(spec)
+            except ValueError as e:
+                raise ConfigError(f"recipe.eval_trees.{label}: {e}") from None
         known = {f.name for f in dataclasses.fields(DSpineConfig)} - {"method"}
         for name, a in self.ablations.items():
             if set(a.drafter) - known:
@@ -285,6 +293,10 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
     names = [*cfg.methods, *(cfg.ablations if cfg.eval_ablations else [])]
     specs: dict = {m: str(work / m / "best") for m in names}
     specs.update({f"dspine_k{k}": (specs["dspine"], {"top_k": k}) for k in cfg.eval_top_k})
+    trees = {}
+    for label, tree in cfg.eval_trees.items():
+        for m in cfg.methods:
+            specs[f"{m}_{label}"], trees[f"{m}_{label}"] = specs[m], tree
     target, drafters = load_models(cfg.target, cfg.dtype, cfg.device, specs)
     doc = evaluate(
         target,
@@ -297,6 +309,7 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
         workers=cfg.eval_workers,
         target_spec=(cfg.target, cfg.dtype, cfg.device),
         drafter_paths=specs,
+        trees=trees,
     )
     doc["recipe"] = asdict(cfg)
     rep = work / "train_report.json"
