@@ -53,7 +53,7 @@ DRAFT_TREE_HELP = (
     "and the second-best successor of slot 1's best; ranks follow the transition table; when sampling, the 0 chain "
     "is the sampled one and a rank r beside it the r-th best other candidate); rounds of several requests verify "
     f"a chain of --draft-len; 'none': chains only (default: {CPU_DRAFT_TREE} on a CPU without --draft-len, "
-    "bench/results/engine_cpu.md; none elsewhere)"
+    "bench/results/engine_cpu.md; none elsewhere; bench/tree_profile.py picks trees from measured acceptance)"
 )
 
 

@@ -74,7 +74,7 @@ def evaluate(
     target_spec: tuple | None = None,
     drafter_paths: dict | None = None,
     max_turns: int | None = None,
-    trees: dict[str, str] | None = None,
+    trees: dict | None = None,
 ) -> dict:
     """drafters: name -> DSpineDraftModel. Returns {"results": {bench: {"T0": {method: {...}}}}, ...}.
 
@@ -83,7 +83,7 @@ def evaluate(
     models from `target_spec` = (spec, dtype, device) and `drafter_paths` (name -> checkpoint folder, or
     (folder, decode knobs): `load_at`). Results are
     identical to workers=1. `max_turns` asks only the first turns of multi-turn items (MT-Bench) — what a
-    single-turn server benchmark sends. `trees`: name -> draft tree spec (decoding.DraftTree) for drafters
+    single-turn server benchmark sends. `trees`: name -> draft tree (a decoding.DraftTree or its spec) for drafters
     whose rounds verify a tree instead of the chain of block_size - 1 drafts.
     """
     import dataclasses
