@@ -15,7 +15,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from dspine.checkpoint import load_models
+from dspine.checkpoint import load_models, resolve_drafter
 from dspine.decoding import DraftTree
 from dspine.engine import Engine
 from dspine.io import atomic_write_text, json_text, md_table, provenance
@@ -65,8 +65,6 @@ def main() -> int:
         budgets = [int(x) for x in a.nodes.split(",")]
     except ValueError:
         ap.error("--rank-sums LENGTH:SUM,... and --nodes N,... take integers")
-    from dspine.checkpoint import resolve_drafter
-
     target, drafters = load_models(
         a.target, a.dtype, a.device, {"d": resolve_drafter(a.drafter, a.target) or a.drafter}
     )

@@ -957,7 +957,6 @@ def cmd_traces(a) -> int:
 def cmd_eval(a) -> int:
     import os
 
-    from dspine.decoding import DraftTree
     from dspine.eval.acceptance import check_trees, evaluate, markdown_table, write_results
 
     benches = _benchmark_names(a.benchmarks)
@@ -974,16 +973,13 @@ def cmd_eval(a) -> int:
         name, sep, spec = t.partition("=")
         if not sep or name not in specs:
             raise UsageError(f"--draft-tree {t!r}: NAME=TREE with NAME one of the --drafter names ({', '.join(specs)})")
-        try:
-            trees[name] = DraftTree.parse(spec)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        trees[name] = spec
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if not os.access(out_dir if os.path.isdir(out_dir) else os.path.dirname(out_dir), os.W_OK):
         raise UsageError(f"cannot write {a.out}")
     target, drafters = _load_models(a, specs)
     try:
-        check_trees(drafters, trees)
+        trees = check_trees(drafters, trees)  # before any decoding
     except ValueError as e:
         raise UsageError(str(e)) from None
     doc = evaluate(

@@ -193,6 +193,19 @@ class DraftTree:
         """Whether a drafter of this config can draft the tree: depth below its block size, ranks below its top_k."""
         return self.depth < cfg.block_size and self.max_rank < cfg.top_k
 
+    @classmethod
+    def for_drafter(cls, tree: DraftTree | str, cfg) -> DraftTree:
+        """A tree (or its spec) that a drafter of config `cfg` (None: no drafter) can draft; ValueError naming
+        what it needs otherwise."""
+        tree = tree if isinstance(tree, DraftTree) else cls.parse(tree)
+        if cfg is None or not tree.fits(cfg):
+            B = cfg.block_size if cfg is not None else 1
+            raise ValueError(
+                f"draft tree {tree}: needs a drafter, depth in [1, {B - 1}] (block size {B}) and ranks below the "
+                f"drafter's top_k ({cfg.top_k if cfg is not None else '-'})"
+            )
+        return tree
+
     @cached_property
     def parents(self) -> tuple[int, ...]:
         """Each node's parent node index; -1: the anchor."""

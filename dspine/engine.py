@@ -213,12 +213,7 @@ class Engine:
         B = drafter.config.block_size if drafter is not None else 1
         self.tree = None
         if tree is not None:
-            self.tree = tree if isinstance(tree, DraftTree) else DraftTree.parse(tree)
-            if drafter is None or not self.tree.fits(drafter.config):
-                raise ValueError(
-                    f"draft tree {self.tree}: needs a drafter, depth in [1, {B - 1}] (block size {B}) and ranks "
-                    f"below the drafter's top_k ({drafter.config.top_k if drafter is not None else '-'})"
-                )
+            self.tree = DraftTree.for_drafter(tree, drafter.config if drafter is not None else None)
             draft_len = draft_len or self.tree.depth
         self.tree_profile = TreeProfile(len(self.tree.paths) if self.tree is not None else 0)
         if draft_len is not None and not 1 <= draft_len <= B - 1:

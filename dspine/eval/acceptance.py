@@ -211,20 +211,16 @@ def _stats_of(st) -> dict:
 
 
 def check_trees(drafters: dict, trees: dict | None) -> dict[str, DraftTree]:
-    """name -> tree spec -> name -> DraftTree, each for a named drafter whose block and top_k can draft it
-    (ValueError naming the problem otherwise)."""
+    """name -> tree (or its spec) -> name -> DraftTree, each for a named drafter that can draft it (ValueError
+    naming the problem otherwise)."""
     out = {}
     for name, spec in (trees or {}).items():
         if name not in drafters:
             raise ValueError(f"draft tree for {name!r}: no drafter of that name (drafters: {', '.join(drafters)})")
-        tree = spec if isinstance(spec, DraftTree) else DraftTree.parse(spec)
-        cfg = drafters[name].config
-        if not tree.fits(cfg):
-            raise ValueError(
-                f"draft tree {tree} for {name!r}: needs depth below the block size ({cfg.block_size}) and ranks "
-                f"below top_k ({cfg.top_k})"
-            )
-        out[name] = tree
+        try:
+            out[name] = DraftTree.for_drafter(spec, drafters[name].config)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     return out
 
 
