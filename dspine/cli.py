@@ -47,13 +47,17 @@ DRAFT_LEN_HELP = (
     "and 3 measured fastest, bench/results/engine_cpu.md; the whole block elsewhere)"
 )
 CPU_DRAFT_TREE = "0000.1"  # rounds of a single open request on a CPU (bench/results/engine_cpu.md)
+# elsewhere (a GPU verifies 33 rows in the time of 16 at this size): session 28's T = 0 pick of 32 nodes
+# (bench/results/tree_profile_t0.md), measured against the chain in bench/results/engine_cuda_trees.md
+GPU_DRAFT_TREE = "000000000000000.00000001.000001.00001.0001000.0010.010.02.100.20"
 DRAFT_TREE_HELP = (
     "a single request's rounds verify this tree of drafts, one target forward for all of its nodes: its leaves as "
     "rank paths, '.'-separated (0 = best candidate; 0000.1.01 = the best chain of 4, slot 1's second candidate, "
     "and the second-best successor of slot 1's best; ranks follow the transition table; when sampling, the 0 chain "
     "is the sampled one and a rank r beside it the r-th best other candidate); rounds of several requests verify "
-    f"a chain of --draft-len; 'none': chains only (default: {CPU_DRAFT_TREE} on a CPU without --draft-len, "
-    "bench/results/engine_cpu.md; none elsewhere; bench/tree_profile.py picks trees from measured acceptance)"
+    f"a chain of --draft-len; 'none': chains only (default without --draft-len: {CPU_DRAFT_TREE} on a CPU, "
+    "bench/results/engine_cpu.md; elsewhere a tree of 32 nodes, bench/results/engine_cuda_trees.md; none where the "
+    "drafter's block or top_k is too small for it; bench/tree_profile.py picks trees from measured acceptance)"
 )
 
 
@@ -528,17 +532,25 @@ CPU_DRAFT_LEN = 3
 CPU_SPEC_MAX_BATCH = 2
 
 
-def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None = None, tree: str | None = None):
+def default_draft_tree(device_type: str, cfg) -> str | None:
+    """The tree a single request's rounds verify when neither --draft-len nor --draft-tree is given: a small one
+    on a CPU, where every verified row costs, a wide one elsewhere; None where the drafter cannot draft it."""
     from dspine.decoding import DraftTree
+
+    spec = CPU_DRAFT_TREE if device_type == "cpu" else GPU_DRAFT_TREE
+    return spec if DraftTree.parse(spec).fits(cfg) else None
+
+
+def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None = None, tree: str | None = None):
     from dspine.engine import Engine
 
     for flag, v in (("--draft-len", draft_len), ("--spec-max-batch", spec_max_batch), ("--draft-tree", tree)):
         if v is not None and drafter is None:
             raise UsageError(f"{flag} needs a drafter")
     draft_block = None
+    if drafter is not None and tree is None and draft_len is None:
+        tree = default_draft_tree(target.device.type, drafter.config)
     if drafter is not None and target.device.type == "cpu":
-        if tree is None and draft_len is None and DraftTree.parse(CPU_DRAFT_TREE).fits(drafter.config):
-            tree = CPU_DRAFT_TREE
         if draft_len is None:
             draft_len = min(CPU_DRAFT_LEN, drafter.config.block_size - 1)
         if spec_max_batch is None:

@@ -1,13 +1,14 @@
 """The drafter that ships for the built-in target: found by name, complete once loaded (its code table
 recomputed from the target), lossless, actually trained, and refused cleanly when it cannot serve."""
 
+import dataclasses
 import shutil
 
 import pytest
 import torch
 from conftest import tiny_target
 
-from dspine.checkpoint import CheckpointError, load_drafter, resolve_drafter, save_drafter
+from dspine.checkpoint import CheckpointError, load_drafter, read_config, resolve_drafter, save_drafter
 from dspine.cli import main
 from dspine.decoding import DraftTree
 from dspine.drafters import builtin_drafter
@@ -81,6 +82,20 @@ def test_generate_on_a_cpu_drafts_through_the_default_tree_losslessly(smollm2):
     r = eng.generate(item.turns[0], p)
     assert r.token_ids == Engine(smollm2).generate(item.turns[0], p).token_ids
     assert r.stats.tau > 1.5 and not any(r.stats.accept_hist[eng.tree.depth + 1 :])
+
+
+def test_default_tree_per_device_fits_the_drafter():
+    """Without --draft-len or --draft-tree a single request's rounds verify the CPU's small tree on a CPU and the
+    32-node tree elsewhere; a drafter whose block or top_k is too small for the tree gets the chain."""
+    from dspine.cli import CPU_DRAFT_TREE, GPU_DRAFT_TREE, default_draft_tree
+
+    cfg = read_config(builtin_drafter("smollm2-135m-instruct"))
+    assert default_draft_tree("cpu", cfg) == CPU_DRAFT_TREE
+    gpu = DraftTree.parse(default_draft_tree("cuda", cfg))
+    assert str(gpu) == str(DraftTree.parse(GPU_DRAFT_TREE)) and len(gpu.paths) == 32 and gpu.depth == 15
+    assert default_draft_tree("cuda", dataclasses.replace(cfg, block_size=8)) is None  # depth 15 > 7
+    assert default_draft_tree("cuda", dataclasses.replace(cfg, top_k=2)) is None  # rank 2 in the tree
+    assert default_draft_tree("cpu", dataclasses.replace(cfg, block_size=8)) == CPU_DRAFT_TREE
 
 
 def test_codes_present_or_absent_load_the_same(smollm2, shipped, tmp_path):

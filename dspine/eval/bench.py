@@ -55,8 +55,8 @@ def engine_bench(
     side; D may be a draft tree's spec (rows "<name>/t<spec>": greedy rounds of one request verify that tree,
     batched rounds its depth as a chain). Every request (or group) runs on all engines in turn before the next,
     so a machine whose speed drifts (a shared VM) shifts every row alike; each row's tokens/s is over its own
-    decoding time. `other_targets` {DTYPE tag: (target, drafters)}: the same rows for the target in another
-    dtype, named NAME@TAG (module docstring)."""
+    decoding time, after one short untimed request per engine. `other_targets` {DTYPE tag: (target, drafters)}:
+    the same rows for the target in another dtype, named NAME@TAG (module docstring)."""
     from tqdm.auto import tqdm
 
     items = [(b, it) for b in benchmarks for it in load_benchmark(b, limit)]
@@ -73,6 +73,9 @@ def engine_bench(
                 name = (n if D is None else f"{n}/{head}" + (f"b{S}" if S else "") + (f"m{M}" if M else "")) + suffix
                 engines[name] = Engine(tgt, d, None if tree else D, S, M, tree)
                 own_ar[name] = "ar" + suffix
+    # untimed first: a path's first call compiles (Triton's JIT, CUDA's handles) and would bill it to one row
+    for eng in engines.values():
+        eng.generate(items[0][1].turns[0], SamplingParams(max_tokens=16, temperature=temperature, seed=0))
     batched = [c for c in (concurrencies or [1]) if c > 1]
     bar = tqdm(total=len(items) * len(engines) * (1 + len(batched)), desc="bench", disable=not progress)
     rows, tau_bench = _bench_single(engines, own_ar, items, max_new_tokens, temperature, bar)
