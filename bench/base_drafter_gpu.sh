@@ -31,6 +31,11 @@
 # A continued run (gpu3's lockstep pair and data, kept in .carry/base1 and .carry/base2 of the development checkout):
 #   1 carry .carry/m1 (as above); 2 carry .carry/base1: `stage .carry/base1`; 3 carry .carry/base2: `stage
 #   .carry/base2`; then start (no regeneration left), more, eval, back as above.
+# Carry limits (64 MiB a call): the tracked tree is ~20 MB, a target half 47 MB, so for the calls that carry one,
+# move workloads/data/office (7 MB, unused here) and the shipped drafter out of the working tree, back after.
+# Calls chain within the machine's 30 s idle release: have the next command ready; a machine given back between
+# `start` and `more` loses /tmp/base (session 29 lost a regeneration so) — hence `start` returns the data it
+# regenerated, as data.tar.* in $OUT, for `stage`.
 # Everything lives in /tmp/base on the machine (kept while it stays warm); what comes back is in $OUT.
 set -euo pipefail
 t0=$(date +%s)
@@ -49,6 +54,13 @@ ovr() { echo target=/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf regen_dtype=bflo
   $([ -f $W/lr ] && echo train.lr=$(cat $W/lr) || true) \
   $([ -f $W/offset ] && echo train.schedule_offset_s=$(cat $W/offset) || true); }
 common() { echo --base --work $W --no-progress $(ovr); }
+# the regenerated data, packed, in 15 MB pieces to $OUT (data, data_t1, and the added pools' data_added*)
+pack() {
+  rm -rf $W/pack
+  sets=$(cd $W && ls -d data data_*)
+  for f in $sets; do python -c "from dspine.train.data import pack_dataset as p; p('$W/$f', '$W/pack/$f')"; done
+  tar c -C $W/pack $sets | split -b 15000000 -d - $OUT/data.tar.
+}
 case "$1" in
 stage)
   for m in dspine dflash; do
@@ -59,7 +71,10 @@ stage)
   if ls "$2"/data.tar.* > /dev/null 2>&1; then cat "$2"/data.tar.* | tar x -C $W; fi
   find $W -maxdepth 3 -type f | sort ;;
 start)
+  had=$(ls -d $W/data* 2> /dev/null | wc -l)
   timeout "$(left "$2")" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
+  # what was regenerated comes back at once: a machine lost before `back` need not regenerate it (stage DIR)
+  if [ "$(ls -d $W/data* 2> /dev/null | wc -l)" != "$had" ]; then pack; fi
   # written beside, then renamed: ovr() reads batch_size, which a redirection would empty before python starts
   # BS=N skips the probe (a continued run on the same GPU kind: the size the last probe picked)
   if [ -n "${BS:-}" ]; then
@@ -95,12 +110,7 @@ back)
   ship
   case "${2:-dflash}" in
   dflash)
-    rm -rf $W/pack
-    sets=$(cd $W && ls -d data data_*)  # data, data_t1, and the added pools' data_added*
-    for f in $sets; do
-      python -c "from dspine.train.data import pack_dataset as p; p('$W/$f', '$W/pack/$f')"
-    done
-    tar c -C $W/pack $sets | split -b 15000000 -d - $OUT/data.tar.
+    pack
     split -b 15000000 -d $W/ship/dflash/model.safetensors $OUT/dflash.part
     cp $W/ship/dflash/config.json $OUT/dflash_config.json ;;
   dspine)
