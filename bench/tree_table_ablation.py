@@ -10,15 +10,14 @@ import argparse
 import sys
 
 from dspine.checkpoint import load_models, resolve_drafter
+from dspine.cli import GPU_DRAFT_TREE  # tree_profile_t0.md's 32-node pick
 from dspine.eval.acceptance import evaluate, markdown_table, write_results
 from dspine.workloads import BENCHMARKS
-
-T0_TREE_32 = "000000000000000.00000001.000001.00001.0001000.0010.010.02.100.20"  # tree_profile_t0.md's 32-node pick
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tree", default=T0_TREE_32)
+    ap.add_argument("--tree", default=GPU_DRAFT_TREE)
     ap.add_argument("--out", default="bench/results/tree_table_ablation.json")
     a = ap.parse_args()
     path = resolve_drafter("builtin", "smollm2-135m-instruct")
