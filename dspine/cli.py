@@ -187,7 +187,15 @@ def _add_serve(sub) -> None:
         type=int,
         help="the most open requests a batched round drafts for; a fuller batch decodes its rounds "
         "autoregressively, where verifying drafts costs more than it returns (vLLM's disable_by_batch_size; "
-        "bench/results/engine_cpu.md measures it per concurrency) (default: 2 on a CPU, else no limit)",
+        "bench/results/engine_cpu_conc.md measures it per concurrency) (default: no limit; 2 on a CPU with "
+        "--draft-policy fixed)",
+    )
+    s.add_argument(
+        "--draft-policy",
+        choices=["goodput", "fixed"],
+        help="goodput: each batched round drafts 0 .. --draft-len tokens, as many as the requests' acceptance so "
+        "far is worth against the measured cost of verifying more rows (dspine/goodput.py); fixed: always "
+        "--draft-len (default: goodput on a CPU, where every verified row costs compute; fixed elsewhere)",
     )
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
@@ -414,7 +422,8 @@ def _add_bench(sub) -> None:
         help="engine: measure each drafter at each of these drafts per round (comma-separated, each in "
         "1..block-1; rows NAME/dD); D:S also runs only S of the drafter's block slots (D+1..block; rows "
         "NAME/dDbS), D:S:M (or D::M) drafts only in rounds of at most M open requests (serve's "
-        "--spec-max-batch; rows NAME/dDbSmM); D may be tTREE, a draft tree (see --draft-tree; rows NAME/tTREE...); "
+        "--spec-max-batch; rows NAME/dDbSmM), D:S:g by goodput (serve's --draft-policy goodput; rows NAME/dDbSg); "
+        "D may be tTREE, a draft tree (see --draft-tree; rows NAME/tTREE...); "
         "default: the whole block",
     )
     bn.add_argument(
@@ -526,8 +535,8 @@ def _draft_dtype(a, target):
     return draft_dtype(a.draft_dtype, target.dtype, a.device)
 
 
-# serve/generate's defaults on a CPU (bench/results/engine_cpu.md): drafts per round, and the most open requests
-# a batched round drafts for (verifying drafts for 4 or 8 requests together costs more than it returns there)
+# serve/generate's defaults on a CPU (bench/results/engine_cpu.md): drafts per round, and, with --draft-policy fixed,
+# the most open requests a batched round drafts for (bench/results/engine_cpu_conc.md)
 CPU_DRAFT_LEN = 3
 CPU_SPEC_MAX_BATCH = 2
 
@@ -541,24 +550,32 @@ def default_draft_tree(device_type: str, cfg) -> str | None:
     return spec if DraftTree.parse(spec).fits(cfg) else None
 
 
-def _engine(target, drafter, draft_len: int | None, spec_max_batch: int | None = None, tree: str | None = None):
+def _engine(
+    target, drafter, draft_len: int | None, spec_max_batch: int | None = None, tree: str | None = None,
+    policy: str | None = None,
+):  # fmt: skip
     from dspine.engine import Engine
 
-    for flag, v in (("--draft-len", draft_len), ("--spec-max-batch", spec_max_batch), ("--draft-tree", tree)):
+    flags = (("--draft-len", draft_len), ("--spec-max-batch", spec_max_batch), ("--draft-tree", tree),
+             ("--draft-policy", policy))  # fmt: skip
+    for flag, v in flags:
         if v is not None and drafter is None:
             raise UsageError(f"{flag} needs a drafter")
     draft_block = None
     if drafter is not None and tree is None and draft_len is None:
         tree = default_draft_tree(target.device.type, drafter.config)
-    if drafter is not None and target.device.type == "cpu":
+    cpu = target.device.type == "cpu"
+    policy = policy or ("goodput" if cpu else "fixed")
+    if drafter is not None and cpu:
         if draft_len is None:
             draft_len = min(CPU_DRAFT_LEN, drafter.config.block_size - 1)
-        if spec_max_batch is None:
+        if spec_max_batch is None and policy == "fixed":
             spec_max_batch = CPU_SPEC_MAX_BATCH
         # only the slots that are verified: the drafter's forward shrinks with them (bench/results/engine_cpu_block.md)
         draft_block = draft_len + 1
     try:
-        return Engine(target, drafter, draft_len, draft_block, spec_max_batch, None if tree == "none" else tree)
+        tree = None if tree == "none" else tree
+        return Engine(target, drafter, draft_len, draft_block, spec_max_batch, tree, goodput=policy == "goodput")
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -731,7 +748,7 @@ def cmd_serve(a) -> int:
                       grace_s=a.grace_seconds, admin_key=a.admin_key, request_timeout_s=a.request_timeout,
                       draft_dtype=a.draft_dtype)  # fmt: skip
     name = drafter_label(a.drafter) if a.drafter else None
-    engine = _engine(target, drafter, a.draft_len, a.spec_max_batch, a.draft_tree)
+    engine = _engine(target, drafter, a.draft_len, a.spec_max_batch, a.draft_tree, a.draft_policy)
     serve(engine, a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter, routes=routes)
     return 0
 
@@ -930,12 +947,15 @@ def _draft_lens(text: str) -> list[int | tuple]:
             except ValueError as e:
                 raise UsageError(f"--draft-lens {x!r}: {e}") from None
             parts[0] = "1"  # checked below like a draft length
+        goodput = len(parts) == 3 and parts[2] == "g"
         try:
-            d, s, m = [int(p) if p else None for p in parts] + [None] * (3 - len(parts))
+            ints = [int(p) if p else None for p in parts[: 2 if goodput else len(parts)]]
+            d, s, m = ints + [None] * (3 - len(ints))
         except ValueError:  # not integers, or more than three parts
-            raise UsageError(f"--draft-lens {x!r} is not D, D:S or D:S:M (integers; D may be tTREE)") from None
+            raise UsageError(f"--draft-lens {x!r} is not D, D:S or D:S:M (integers, M or g; D may be tTREE)") from None
         if d is None or min(v for v in (d, s, m) if v is not None) < 1:
             raise UsageError(f"--draft-lens {x!r}: D, S and M must be integers >= 1")
+        m = "g" if goodput else m
         d = tree or d
         out.append((d, s, m) if len(parts) > 1 or tree else d)
     return out

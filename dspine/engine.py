@@ -20,6 +20,7 @@ import torch
 
 from dspine.decoding import DraftTree, propose, propose_tree
 from dspine.drafter import DraftOutput, DSpineDraftModel, block_attention_mask
+from dspine.goodput import DraftPolicy
 from dspine.sampling import RequestError, SamplingParams, penalize, sample, warp_probs
 from dspine.stats import AcceptanceStats
 from dspine.target import Target
@@ -196,6 +197,7 @@ class Engine:
         draft_block: int | None = None,
         spec_max_batch: int | None = None,
         tree: DraftTree | str | None = None,
+        goodput: bool = False,
     ):
         """`draft_len`: drafts verified per round (1 .. block_size-1; default block_size-1), a decode-time
         choice: each draft costs a row of the target's verify forward. `draft_block`: block slots the drafter
@@ -206,7 +208,10 @@ class Engine:
         `disable_by_batch_size`). The drafter's context follows those rounds too, so drafting resumes as soon
         as the batch is small again. `tree` (a DraftTree or its spec, decoding.py): rounds of a single open
         request verify that tree of drafts instead of a chain, the drafter running depth + 1 slots (draft_len
-        then defaults to the depth); rounds of several requests, penalties and forced replays keep the chain."""
+        then defaults to the depth); rounds of several requests, penalties and forced replays keep the chain.
+        `goodput`: each batched round drafts 0 .. draft_len tokens, as many as maximise the tokens expected per
+        second of the round (goodput.DraftPolicy: the rows' acceptance so far against the measured cost of
+        verifying more rows) — on a CPU, where every verified row costs compute, a full batch drafts less."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.method = drafter.config.method if drafter is not None else "ar"
@@ -225,6 +230,7 @@ class Engine:
         if spec_max_batch is not None and spec_max_batch < 1:
             raise ValueError(f"spec_max_batch must be >= 1 (the most open rows a round drafts for): {spec_max_batch}")
         self.spec_max_batch = spec_max_batch
+        self.policy = DraftPolicy(self.draft_len) if goodput and drafter is not None else None
         self.max_positions = target.info.max_position_embeddings
 
     # ---- inputs ----------------------------------------------------------------------------------------
@@ -292,7 +298,8 @@ class Engine:
         tree = self.tree if forced is None else None
 
         cache = tgt.new_cache()
-        logits, feats = tgt.forward(torch.tensor([ids], device=dev), cache, layer_ids)
+        last = torch.tensor([len(ids) - 1], device=dev)
+        logits, feats = tgt.forward(torch.tensor([ids], device=dev), cache, layer_ids, logits_at=last)
         P = len(ids)  # the target cache holds positions [0, P); the anchor sits at P
         ctx = None
         if spec:
@@ -382,6 +389,68 @@ def generate_batch(
     return [out[i] for i in range(len(prompts))]
 
 
+def generate_stream(engine: Engine, prompts: list, params=None, concurrency: int = 8) -> list[GenerationResult]:
+    """Decode the prompts with at most `concurrency` in flight (continuous batching, as `dspine serve`
+    schedules): each round runs every open row; a finished row leaves at once and the next prompt, prefilled
+    apart, joins the running batch -> one GenerationResult per prompt, in order. `params`: one SamplingParams
+    or one per prompt (drawing tokens alike, as BatchDecode's rows)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency {concurrency}: at least 1")
+    per = params if isinstance(params, list) else [params] * len(prompts)
+    out: dict = {}
+    run, nxt = None, 0
+    while nxt < len(prompts) or (run is not None and not run.done):
+        free = concurrency - (len(run) if run is not None else 0)
+        if free > 0 and nxt < len(prompts):
+            take = list(range(nxt, min(nxt + free, len(prompts))))
+            new = BatchDecode(engine, [prompts[i] for i in take], [per[i] for i in take], tags=take)
+            nxt = take[-1] + 1
+            out.update(new.pop_finished())
+            if len(new):
+                if run is None or not len(run):
+                    run = new
+                else:
+                    run.merge(new)
+            continue  # fill up before the next round
+        run.step()
+        out.update(run.pop_finished())
+    return [out[i] for i in range(len(prompts))]
+
+
+_PREFILL_MIN = 32  # a prompt shorter than this costs a forward about what one of this length does (weights stream)
+
+
+def _prefill(tgt: Target, ids: list[list[int]], layer_ids):
+    """Prompts -> (target cache, valid (N, L), logits at each prompt's last token (N, V), the layer features
+    (N, L, F) or None). One forward over the prompts padded to the longest, or, where that padding would cost
+    more than the extra forwards, one forward per prompt and the caches padded together with masked columns."""
+    N, lens, dev = len(ids), [len(x) for x in ids], tgt.device
+    L = max(lens)
+    valid = torch.arange(L, device=dev)[None] < torch.tensor(lens, device=dev)[:, None]
+    last = torch.tensor(lens, device=dev) - 1
+    if N == 1 or sum(max(n, _PREFILL_MIN) for n in lens) >= N * L:
+        cache, pos = tgt.new_cache(), torch.arange(L, device=dev).expand(N, L)
+        inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
+        logits, feats = tgt.forward(inp, cache, layer_ids, valid.long(), pos, logits_at=last)
+        return cache, valid, logits[:, 0], feats
+    caches, logits, feats = [], [], []
+    for x, at in zip(ids, last):
+        caches.append(tgt.new_cache())
+        lg, ft = tgt.forward(torch.tensor([x], device=dev), caches[-1], layer_ids, logits_at=at[None])
+        logits.append(lg[:, 0])
+        feats.append(ft)
+
+    def pad(t: torch.Tensor, dim: int) -> torch.Tensor:  # to L along dim, zeros after
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - dim - 1) + (0, L - t.shape[dim]))
+
+    cache = caches[0]
+    for j, layer in enumerate(cache.layers):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():  # (1, H, n, hd) each
+            layer.keys = torch.cat([pad(c.layers[j].keys, 2) for c in caches])
+            layer.values = torch.cat([pad(c.layers[j].values, 2) for c in caches])
+    return cache, valid, torch.cat(logits), torch.cat([pad(f, 1) for f in feats]) if layer_ids is not None else None
+
+
 def _logprob(raw: torch.Tensor, tok: int, k: int) -> tuple[float, list[tuple[int, float]]]:
     """raw logits (V,) -> (log p(tok), the top k as (id, log p)) of the target's own distribution."""
     lsm = raw.float().log_softmax(-1)
@@ -411,7 +480,7 @@ class BatchDecode:
     `forced[i]` (a list of token ids, or None) makes row i a replay of that text, as `Engine.generate(forced=)`
     does for one request: greedy only, ends where the text ends."""
 
-    _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished", "forced")  # per-row state
+    _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished", "forced", "accept")  # per row
 
     @torch.no_grad()
     def __init__(
@@ -439,21 +508,17 @@ class BatchDecode:
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else None
         self.B = drafter.config.block_size if drafter is not None else 1
         self.stats = [AcceptanceStats(self.B) if drafter is not None else None for _ in range(N)]
+        self.accept = [engine.policy.new_row() if engine.policy is not None else None for _ in range(N)]
         self.stops = [_Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
         V = tgt.info.vocab_size
         self.counts = torch.zeros(N, V, device=dev) if any(r.penalized for r in rows) else None  # output tokens
-        L = max(self.lens)
-        inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
-        self.valid = torch.arange(L, device=dev)[None] < torch.tensor(self.lens, device=dev)[:, None]  # (N, L)
-        self.cache = tgt.new_cache()
-        pos = torch.arange(L, device=dev).expand(N, L)
-        logits, feats = tgt.forward(inp, self.cache, self.layer_ids, self.valid.long(), pos)
+        self.cache, self.valid, last, feats = _prefill(tgt, ids, self.layer_ids)  # valid (N, L)
+        pos = torch.arange(self.width, device=dev).expand(N, -1)
         self.committed = torch.tensor(self.lens, device=dev)  # tokens each row has in its cache = the anchor's position
         self.anchors = [
-            engine._pick(logits[i, n - 1], params, self.gen) if f is None else int(f[0])
-            for i, (n, f) in enumerate(zip(self.lens, self.forced))
+            engine._pick(last[i], params, self.gen) if f is None else int(f[0]) for i, f in enumerate(self.forced)
         ]
-        self.finished = [self._push(i, a, logits[i, n - 1]) for i, (a, n) in enumerate(zip(self.anchors, self.lens))]
+        self.finished = [self._push(i, a, last[i]) for i, a in enumerate(self.anchors)]
         self.ctx = None
         if drafter is not None:
             self.ctx = DraftContext(drafter)
@@ -487,6 +552,7 @@ class BatchDecode:
         """One round for every row (a no-op once all rows are done)."""
         if self.done:
             return
+        t_round = time.perf_counter()
         engine, drafter, tgt = self.engine, self.drafter, self.engine.target
         dev, N, B, params = tgt.device, len(self), self.B, self.params
         edge = (self.committed + B > engine.max_positions).tolist()  # rows at the end of the context
@@ -500,14 +566,18 @@ class BatchDecode:
         if spec and engine.tree is not None and len(self) == 1 and self.counts is None:
             if self.forced[0] is None:
                 return self._tree_step()
-        Bd = engine.draft_block if spec else 1  # the slots the drafter runs
+        k, policy = engine.draft_len, engine.policy
+        if spec and policy is not None:
+            k = policy.choose([a for a, f in zip(self.accept, self.finished) if not f], N)
+            spec = k > 0
+        Bd = engine.draft_block - engine.draft_len + k if spec else 1  # the slots the drafter runs
         pos = self.committed[:, None] + torch.arange(Bd, device=dev)  # (N, Bd); 1 for AR
         anchor_t = torch.tensor(self.anchors, device=dev)[:, None]
         prop = None
         if spec:
             mask = block_attention_mask(self.valid[:, None], Bd, drafter.config.is_causal)
             out = drafter(drafter.block_inputs(anchor_t, Bd), pos[:, None], self.ctx.kv, mask)
-            prop = propose(drafter, out, params, self.gen, engine.draft_len)
+            prop = propose(drafter, out, params, self.gen, k)
             feed = torch.cat([anchor_t, prop.tokens], 1)
         else:
             feed = anchor_t
@@ -530,6 +600,11 @@ class BatchDecode:
         if drafter is not None:  # an AR round's token too: drafting may resume next round
             self.ctx.extend(feats[:, :m], pos[:, :m])
         self.committed = self.committed + n_acc + 1
+        if policy is not None:
+            if prop is not None:
+                for i in [i for i, f in enumerate(self.finished) if not f]:
+                    policy.record(self.accept[i], k, int(n_acc[i]))
+            policy.observe(N * feed.shape[1], prop is not None, time.perf_counter() - t_round)
         self._commit(n_acc, nxt, prop, logits)
         self.compact()  # rows that accepted less than the round's longest leave masked holes
 

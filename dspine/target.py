@@ -295,12 +295,15 @@ class Target:
         layer_ids: list[int] | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ):
         """input_ids (N, n) appended after what `cache` holds; attention_mask (N, cached + n) may mask any
         position (batched decoding masks rejected drafts in place), then position_ids (N, n) are needed.
 
-        Returns logits (N, n, V) in fp32 and, when `layer_ids` is given, the concatenated outputs of those
-        target layers (N, n, len(layer_ids) * d) — DFlash's context features before its fc.
+        Returns logits (N, n, V) in fp32 — with `logits_at` (N,) (an index into each row's n positions) only
+        there, (N, 1, V): a prefill's head then runs on one row per prompt — and, when `layer_ids` is given, the
+        concatenated outputs of those target layers (N, n, len(layer_ids) * d) — DFlash's context features
+        before its fc.
         """
         kw = dict(
             input_ids=input_ids,
@@ -310,14 +313,18 @@ class Target:
             position_ids=position_ids,
         )
         kw[self._cache_kw] = cache
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         small = self._own_head and not self.packed and input_ids.numel() <= 256
-        if small:  # the decoder alone, then the head as W @ h^T (see _own_head)
+        if (logits_at is not None and self._plain_head) or small:  # the decoder alone, then the head
             out = self.model.get_decoder()(**kw)
-            h = out.last_hidden_state
-            logits = (self.head_weight @ h.reshape(-1, h.shape[-1]).t()).t().reshape(*h.shape[:-1], -1)
+            h = out.last_hidden_state if logits_at is None else out.last_hidden_state[rows, logits_at][:, None]
+            if self._own_head and not self.packed:  # as W @ h^T (see _own_head)
+                logits = (self.head_weight @ h.reshape(-1, h.shape[-1]).t()).t().reshape(*h.shape[:-1], -1)
+            else:
+                logits = self.model.get_output_embeddings()(h)
         else:
             out = self.model(**kw)
-            logits = out.logits
+            logits = out.logits if logits_at is None else out.logits[rows, logits_at][:, None]
         feats = None
         if layer_ids is not None:
             hs = out.hidden_states  # [embeddings, layer 0 out, layer 1 out, ...]
@@ -325,20 +332,24 @@ class Target:
         return logits.float(), feats
 
     @functools.cached_property
-    def _own_head(self) -> bool:
-        """Whether decode-sized forwards apply the output head themselves: on a CPU in fp32, a GEMM of a few
-        rows against the (V, d) head repacks the whole head on every call, W @ h^T streams it once (a verify
-        of several rows then costs about what one row does). Only for plain heads: no bias, no logit
-        soft-capping or scaling."""
+    def _plain_head(self) -> bool:
+        """Whether the output head is a plain linear after the decoder (no bias, no logit soft-capping or
+        scaling), so that forward may apply it itself, to chosen rows only."""
         head = self.model.get_output_embeddings()
-        plain = (
+        return (
             isinstance(head, torch.nn.Linear)
             and head.bias is None
             and getattr(self.model.config, "final_logit_softcapping", None) is None
             and getattr(self.model.config, "logit_scale", None) is None
             and hasattr(self.model, "get_decoder")
         )
-        return plain and self.device.type == "cpu" and self.dtype == torch.float32
+
+    @functools.cached_property
+    def _own_head(self) -> bool:
+        """Whether decode-sized forwards apply the output head themselves: on a CPU in fp32, a GEMM of a few
+        rows against the (V, d) head repacks the whole head on every call, W @ h^T streams it once (a verify
+        of several rows then costs about what one row does). Only for plain heads."""
+        return self._plain_head and self.device.type == "cpu" and self.dtype == torch.float32
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, layer_ids: list[int], final: bool = False) -> torch.Tensor:

@@ -134,17 +134,21 @@ def test_cli_uses_the_builtin_drafter(capsys, tmp_path):
 
 def test_cpu_defaults_of_serve_and_generate(smollm2, shipped):
     """On a CPU, serve/generate verify 3 drafts per round unless told otherwise (each draft is a target row there),
-    the drafter runs only the block slots that are verified, and batched rounds of more than 2 open requests
-    decode AR (--spec-max-batch);
+    the drafter runs only the block slots that are verified, and batched rounds draft by goodput (or, with
+    --draft-policy fixed, rounds of more than 2 open requests decode AR: --spec-max-batch);
     the drafter's dtype: auto is bf16 on a CPU with native bf16 instructions, else int8 there; the target's
     elsewhere."""
     from dspine.checkpoint import CheckpointError, draft_dtype
     from dspine.cli import UsageError, _dtype_tag, _engine
 
     got = _engine(smollm2, shipped, None)
-    assert (got.draft_len, got.draft_block, got.spec_max_batch) == (3, 4, 2)
+    assert (got.draft_len, got.draft_block, got.spec_max_batch, got.policy.K) == (3, 4, None, 3)
+    got = _engine(smollm2, shipped, None, policy="fixed")
+    assert (got.draft_len, got.draft_block, got.spec_max_batch, got.policy) == (3, 4, 2, None)
     got = _engine(smollm2, shipped, 15, 8)
-    assert (got.draft_len, got.draft_block, got.spec_max_batch) == (15, 16, 8)
+    assert (got.draft_len, got.draft_block, got.spec_max_batch, got.policy.K) == (15, 16, 8, 15)
+    with pytest.raises(UsageError, match="--draft-policy needs a drafter"):
+        _engine(smollm2, None, None, policy="goodput")
     assert _engine(smollm2, None, None).method == "ar"
     with pytest.raises(UsageError, match="spec_max_batch must be >= 1"):
         _engine(smollm2, shipped, None, 0)

@@ -395,6 +395,14 @@ def _decode_forwards_match(target):
         torch.testing.assert_close(logits, out.logits.float(), rtol=1e-5, atol=1e-5)
         want = torch.cat([out.hidden_states[i + 1] for i in layers], -1)
         torch.testing.assert_close(feats, want, rtol=0, atol=0)
+    # a prefill's logits at one position per row (logits_at): the same values, the same features
+    at = torch.tensor([8, 5])
+    kw = dict(attention_mask=mask[:, :9], position_ids=pos[:, :9])
+    full, feats = target.forward(ids, target.new_cache(), layers, **kw)
+    last, feats_at = target.forward(ids, target.new_cache(), layers, **kw, logits_at=at)
+    assert last.shape == (2, 1, target.info.vocab_size)
+    torch.testing.assert_close(last[:, 0], full[torch.arange(2), at], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(feats_at, feats, rtol=0, atol=0)
 
 
 def test_packed_linears_are_row_invariant_and_follow_their_weights(tiny):
@@ -536,3 +544,88 @@ def test_draft_trees_on_cuda_stay_lossless(tiny):
         assert generate_batch(eng, [ids[:start]], greedy)[0].token_ids == want
         hot = eng.generate(ids[:start], SamplingParams(max_tokens=40, temperature=1.0, seed=2, ignore_eos=True))
         assert len(hot.token_ids) == 40 and not any(hot.stats.accept_hist[eng.tree.depth + 1 :])
+
+
+def test_goodput_rounds_draft_what_their_cost_allows_and_stay_ar(tiny):
+    """Engine(goodput=True): each batched round drafts 0 .. draft_len tokens by goodput (dspine/goodput.py).
+    The measured seconds are replaced here by a cost (deterministic, unlike a clock). The first round drafts
+    all, the second none (a second size of round, to measure the cost's slope); then, where verifying rows is
+    free, the rounds draft all, where each row costs more than any acceptance can return, none — and every row
+    is AR's output either way; at T = 1 they run their lengths."""
+    from dspine.engine import generate_batch
+
+    target, pairs = tiny
+    ar = Engine(target)
+    drafter = _trained(target, pairs, "dspine")
+    prompts = [ids[: start - k] for k, (ids, start) in enumerate(pairs[:4])]
+    lengths = [30, 12, 24, 18]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    want = [ar.generate(p, q).token_ids for p, q in zip(prompts, params)]
+    for cost, later in ((lambda r, s: 0.02, {5}), (lambda r, s: 0.05 * r + 0.05 * s, {0})):
+        eng = Engine(target, drafter, draft_len=5, goodput=True)
+        observe, choose, chosen = eng.policy.observe, eng.policy.choose, []
+        eng.policy.observe = lambda r, s, sec, observe=observe, cost=cost: observe(r, s, cost(r, s))
+        eng.policy.choose = lambda rows, n, choose=choose, chosen=chosen: chosen.append(choose(rows, n)) or chosen[-1]
+        got = generate_batch(eng, prompts, params)
+        assert [g.token_ids for g in got] == want
+        assert chosen[:2] == [5, 0] and set(chosen[2:]) == later
+        drafted = sum(g.stats.rounds for g in got)
+        assert drafted > 2 * len(prompts) if later == {5} else drafted == len(prompts)  # the first round only
+        T1 = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=2) for n in lengths]
+        assert [len(g.token_ids) for g in generate_batch(eng, prompts, T1)] == lengths
+
+
+def test_draft_policy_weighs_acceptance_against_the_cost_of_rows():
+    """goodput.DraftPolicy: the fitted cost line reproduces a linear cost; unmeasured slopes look free (so
+    drafting is tried); rows that accept their drafts get them all, rows that reject them get none."""
+    from dspine.goodput import DraftPolicy
+
+    p = DraftPolicy(3)
+    assert p.choose([p.new_row()], 8) == 3  # nothing measured yet: draft all
+    for _ in range(10):
+        p.observe(8, False, 0.05)
+    assert p.seconds(32, True) == pytest.approx(0.05, rel=0.02)  # always 8 rows: the slopes unknown, ~0
+    assert p.choose([p.new_row() for _ in range(8)], 8) == 3  # so the next round measures 32 rows
+    line = lambda r, s: 0.03 + 0.0025 * r + 0.01 * s
+    for r, s in [(8, False), (32, True), (16, True), (24, True), (8, False), (4, False), (16, True)] * 5:
+        p.observe(r, s, line(r, s))
+    for r, s in [(8, False), (32, True), (12, True)]:
+        assert p.seconds(r, s) == pytest.approx(line(r, s), rel=0.05)
+    good, bad = p.new_row(), p.new_row()
+    for _ in range(30):
+        p.record(good, 3, 3)
+        p.record(bad, 3, 0)
+    assert (good.reach, good.acc, bad.reach, bad.acc) == ([30] * 3, [30] * 3, [30, 0, 0], [0, 0, 0])
+    e_good, e_bad = p.expected([good]), p.expected([bad])
+    assert e_good[0] == e_bad[0] == 1 and e_good[3] > 3.5 and e_bad[3] < 1.2
+    assert p.choose([good] * 8, 8) == 3 and p.choose([bad] * 8, 8) == 0
+    with pytest.raises(ValueError, match="at least 1"):
+        DraftPolicy(0)
+
+
+@pytest.mark.parametrize("method", ["ar", "dspine"])
+def test_stream_keeps_c_in_flight_and_uneven_prompts_prefill_apart(tiny, method, monkeypatch):
+    """engine.generate_stream: at most c requests decode together, a finished one replaced at once; each gives
+    its single-request AR output. Prompts of very uneven lengths are prefilled one forward each (no padding to
+    the longest), even ones in one forward, with the same outputs."""
+    from dspine.engine import BatchDecode, generate_stream
+
+    target, pairs = tiny
+    ar = Engine(target)
+    eng = Engine(target, _trained(target, pairs, method) if method != "ar" else None)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, target.info.vocab_size, (n,), generator=g).tolist() for n in (48, 3, 40, 5, 7, 30)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 6, 14, 9, 25, 11)]
+    want = [ar.generate(p, q).token_ids for p, q in zip(prompts, params)]
+    for c in (1, 2, 4):
+        got = generate_stream(eng, prompts, params, c)
+        assert [r.token_ids for r in got] == want
+        assert max(r.batch_size for r in got) == c
+    forwards = []
+    real = target.forward
+    monkeypatch.setattr(target, "forward", lambda ids, *a, **k: forwards.append(ids.shape) or real(ids, *a, **k))
+    BatchDecode(eng, prompts[:3], params[:3])  # 48, 3, 40 tokens: padding to 48 would cost more
+    BatchDecode(eng, prompts[3:5], params[3:5])  # 5, 7: both shorter than a forward's fixed cost
+    assert forwards == [(1, 48), (1, 3), (1, 40), (2, 7)]
+    with pytest.raises(ValueError, match="at least 1"):
+        generate_stream(eng, prompts, params, 0)

@@ -2,8 +2,9 @@
 time of a speculative round split into its phases (draft forward incl. injection, propose = transition
 cache + walk, target verify, commit) from device-synchronised timing. AR always runs in the same call.
 
-At concurrency c > 1 the engine decodes groups of c requests together (engine.generate_batch) and reports
-throughput and τ; `--backend sglang` (dspine/sglang/bench.py) gives the same tables from SGLang servers.
+At concurrency c > 1 the engine keeps c requests in flight (engine.generate_stream: continuous batching, a
+finished request replaced by the next at once, as `dspine serve` schedules) and reports throughput and τ;
+`--backend sglang` (dspine/sglang/bench.py) gives the same tables from SGLang servers.
 
 Target dtypes side by side (`--dtype float32,bfloat16`): the first is the reference; the others add rows
 "NAME@DTYPE" (their own AR included). Every row reports its speed against the reference AR and against the AR of
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from dspine.engine import Engine, generate_batch
+from dspine.engine import Engine, generate_stream
 from dspine.io import md_table, provenance
 from dspine.sampling import SamplingParams
 from dspine.stats import summarize
@@ -48,12 +49,13 @@ def engine_bench(
     draft_lens: list[int | tuple] | None = None,
     other_targets: dict | None = None,
 ) -> dict:
-    """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: the items in groups of c, each
-    group decoded together (engine.generate_batch), throughput and τ only. `draft_lens`: each drafter is
-    measured at each of these drafts-per-round (rows "<name>/d<D>"; a triple (D, S, M) also runs only S block
-    slots, "b<S>", and drafts only in rounds of at most M open rows, "m<M>"; S, M None: no limit), side by
-    side; D may be a draft tree's spec (rows "<name>/t<spec>": greedy rounds of one request verify that tree,
-    batched rounds its depth as a chain). Every request (or group) runs on all engines in turn before the next,
+    """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: c requests in flight
+    (engine.generate_stream), throughput and τ only. `draft_lens`: each drafter is measured at each of these
+    drafts-per-round (rows "<name>/d<D>"; a triple (D, S, M) also runs only S block slots, "b<S>", and drafts
+    only in rounds of at most M open rows, "m<M>"; S, M None: no limit; M "g": each batched round drafts as
+    many as its goodput asks, "g" — Engine(goodput=True)), side by side; D may be a draft tree's spec (rows
+    "<name>/t<spec>": greedy rounds of one request verify that tree, batched rounds its depth as a chain).
+    Every request (or chunk of requests) runs on all engines in turn before the next,
     so a machine whose speed drifts (a shared VM) shifts every row alike; each row's tokens/s is over its own
     decoding time, after one short untimed request per engine. `other_targets` {DTYPE tag: (target, drafters)}:
     the same rows for the target in another dtype, named NAME@TAG (module docstring)."""
@@ -70,8 +72,10 @@ def engine_bench(
                 D, S, M = D if isinstance(D, tuple) else (D, None, None)
                 tree = D if isinstance(D, str) else None  # a draft tree's spec (decoding.DraftTree)
                 head = f"t{tree}" if tree else f"d{D}"
-                name = (n if D is None else f"{n}/{head}" + (f"b{S}" if S else "") + (f"m{M}" if M else "")) + suffix
-                engines[name] = Engine(tgt, d, None if tree else D, S, M, tree)
+                cap = f"m{M}" if isinstance(M, int) else (M or "")
+                name = (n if D is None else f"{n}/{head}" + (f"b{S}" if S else "") + cap) + suffix
+                cap_m = M if isinstance(M, int) else None
+                engines[name] = Engine(tgt, d, None if tree else D, S, cap_m, tree, goodput=M == "g")
                 own_ar[name] = "ar" + suffix
     # untimed first: a path's first call compiles (Triton's JIT, CUDA's handles) and would bill it to one row
     for eng in engines.values():
@@ -153,19 +157,21 @@ def _bench_single(
 
 def _bench_batched(engines: dict, own_ar: dict, items: list, c: int, max_new_tokens: int, temperature: float,
                    bar) -> dict:  # fmt: skip
-    """Groups of c decoded together, every group on all engines in turn -> rows (throughput and τ)."""
+    """c requests in flight, the items in chunks of 3c, every chunk on all engines in turn (so that a drifting
+    machine shifts every row alike) -> rows (throughput and τ)."""
     results = {name: [] for name in engines}
     seconds = dict.fromkeys(engines, 0.0)
-    for g in range(0, len(items), c):
+    for g in range(0, len(items), 3 * c):
         for name, eng in engines.items():
             t0 = time.perf_counter()
-            results[name] += generate_batch(
+            results[name] += generate_stream(
                 eng,
-                [it.turns[0] for _, it in items[g : g + c]],
+                [it.turns[0] for _, it in items[g : g + 3 * c]],
                 SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=g),
+                c,
             )
             seconds[name] += time.perf_counter() - t0
-            bar.update(len(items[g : g + c]))
+            bar.update(len(items[g : g + 3 * c]))
     rows = {name: _row(results[name], seconds[name]) for name in engines}
     for name, row in rows.items():
         _matches(results, own_ar, row, name)

@@ -450,7 +450,7 @@ class Service:
         chosen = cur.drafter is not None and cur.draft_block < cur.drafter.config.block_size  # not the whole block
         block = cur.draft_block if keep is not None and chosen and cur.draft_block <= B else None
         tree = cur.tree if keep is not None and cur.tree is not None and cur.tree.fits(drafter.config) else None
-        engine = Engine(tgt, drafter, keep, block, cur.spec_max_batch, tree)
+        engine = Engine(tgt, drafter, keep, block, cur.spec_max_batch, tree, goodput=cur.policy is not None)
         return engine, None if drafter is None else (name or drafter_label(path))
 
     def _swap_route(self, route: str, path: str, name: str | None, remove: bool) -> dict:
