@@ -171,19 +171,43 @@ class TreeProfile:
 
 
 class DraftContext:
-    """The drafter's per-layer context K/V for committed positions (grows; block K/V are never kept)."""
+    """The drafter's per-layer context K/V for committed positions (grows; block K/V are never kept). Features
+    extended `lazy` (rounds that do not draft) wait, and are projected in one call when `kv` is next read — by
+    the drafter, or to move the columns — so a batch that decodes AR for a while pays nothing per round."""
 
     def __init__(self, drafter: DSpineDraftModel):
         self.drafter = drafter
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._waiting: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def extend(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
+    def extend(self, feats: torch.Tensor, pos: torch.Tensor, lazy: bool = False) -> None:
         """feats (N, n, m*d), pos (N, n)."""
+        self._waiting.append((feats, pos))
+        if not lazy:
+            self._project()
+
+    def _project(self) -> None:
+        if not self._waiting:
+            return
+        feats, pos = (torch.cat(x, 1) for x in zip(*self._waiting))
+        self._waiting = []
         new = self.drafter.context_kv(feats, pos)
-        if self.kv is None:
-            self.kv = new
+        if self._kv is None:
+            self._kv = new
         else:
-            self.kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+            self._kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self._kv, new)]
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer (k, v) each (N, Hkv, C, hd), every extended column included."""
+        self._project()
+        return self._kv
+
+    @kv.setter
+    def kv(self, value: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self._waiting:
+            raise RuntimeError("the context's waiting columns must be projected before its K/V are replaced")
+        self._kv = value
 
 
 class Engine:
@@ -597,8 +621,8 @@ class BatchDecode:
         kept = torch.arange(m, device=dev)[None] <= n_acc[:, None]  # (N, m)
         tgt.crop_cache(self.cache, self.width + m)
         self.valid = torch.cat([self.valid, kept], 1)
-        if drafter is not None:  # an AR round's token too: drafting may resume next round
-            self.ctx.extend(feats[:, :m], pos[:, :m])
+        if drafter is not None:  # an AR round's token too (projected when drafting resumes)
+            self.ctx.extend(feats[:, :m], pos[:, :m], lazy=prop is None)
         self.committed = self.committed + n_acc + 1
         if policy is not None:
             if prop is not None:

@@ -629,3 +629,28 @@ def test_stream_keeps_c_in_flight_and_uneven_prompts_prefill_apart(tiny, method,
     assert forwards == [(1, 48), (1, 3), (1, 40), (2, 7)]
     with pytest.raises(ValueError, match="at least 1"):
         generate_stream(eng, prompts, params, 0)
+
+
+def test_draft_context_projects_waiting_columns_as_if_extended_one_by_one(tiny):
+    """engine.DraftContext: columns extended lazily (rounds that do not draft) are projected together when the
+    K/V are next read — the same K/V as extending them one round at a time; replacing the K/V while columns
+    wait is refused."""
+    from dspine.engine import DraftContext
+
+    target, pairs = tiny
+    drafter = _trained(target, pairs, "dspine")
+    feats = torch.randn(2, 7, drafter.fc.in_features, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(7).expand(2, 7)
+    eager, lazy = DraftContext(drafter), DraftContext(drafter)
+    for ctx, waits in ((eager, False), (lazy, True)):
+        ctx.extend(feats[:, :4], pos[:, :4])
+        for j in range(4, 7):
+            ctx.extend(feats[:, j : j + 1], pos[:, j : j + 1], lazy=waits)
+    assert len(lazy._waiting) == 3
+    with pytest.raises(RuntimeError, match="projected before"):
+        lazy.kv = eager.kv
+    for (k0, v0), (k1, v1) in zip(eager.kv, lazy.kv):
+        assert k1.shape[2] == 7
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-6)
+    assert not lazy._waiting
