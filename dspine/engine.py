@@ -576,7 +576,6 @@ class BatchDecode:
         """One round for every row (a no-op once all rows are done)."""
         if self.done:
             return
-        t_round = time.perf_counter()
         engine, drafter, tgt = self.engine, self.drafter, self.engine.target
         dev, N, B, params = tgt.device, len(self), self.B, self.params
         edge = (self.committed + B > engine.max_positions).tolist()  # rows at the end of the context
@@ -590,10 +589,8 @@ class BatchDecode:
         if spec and engine.tree is not None and len(self) == 1 and self.counts is None:
             if self.forced[0] is None:
                 return self._tree_step()
-        k, policy = engine.draft_len, engine.policy
-        if spec and policy is not None:
-            k = policy.choose([a for a, f in zip(self.accept, self.finished) if not f], N)
-            spec = k > 0
+        k = self._drafts(N) if spec else 0
+        spec, t_round = k > 0, time.perf_counter()
         Bd = engine.draft_block - engine.draft_len + k if spec else 1  # the slots the drafter runs
         pos = self.committed[:, None] + torch.arange(Bd, device=dev)  # (N, Bd); 1 for AR
         anchor_t = torch.tensor(self.anchors, device=dev)[:, None]
@@ -624,13 +621,28 @@ class BatchDecode:
         if drafter is not None:  # an AR round's token too (projected when drafting resumes)
             self.ctx.extend(feats[:, :m], pos[:, :m], lazy=prop is None)
         self.committed = self.committed + n_acc + 1
-        if policy is not None:
-            if prop is not None:
-                for i in [i for i, f in enumerate(self.finished) if not f]:
-                    policy.record(self.accept[i], k, int(n_acc[i]))
-            policy.observe(N * feed.shape[1], prop is not None, time.perf_counter() - t_round)
+        if engine.policy is not None:
+            self._observe(k, n_acc, feed.shape[1], time.perf_counter() - t_round)
         self._commit(n_acc, nxt, prop, logits)
         self.compact()  # rows that accepted less than the round's longest leave masked holes
+
+    def _drafts(self, N: int) -> int:
+        """This round's draft length: the engine's, or its policy's choice over the open rows (0: a round without
+        drafts). Columns waiting from earlier rounds are projected before a drafting round is timed (their cost)."""
+        k, policy = self.engine.draft_len, self.engine.policy
+        if policy is not None:
+            k = policy.choose([a for a, f in zip(self.accept, self.finished) if not f], N)
+        if k:
+            self.ctx.kv  # noqa: B018
+        return k
+
+    def _observe(self, k: int, n_acc: torch.Tensor, width: int, seconds: float) -> None:
+        """The policy learns the round: each open row's acceptance of its k drafts, the round's cost."""
+        policy = self.engine.policy
+        if k:
+            for i in [i for i, f in enumerate(self.finished) if not f]:
+                policy.record(self.accept[i], k, int(n_acc[i]))
+        policy.observe(len(self) * width, k > 0, seconds)
 
     def _tree_step(self) -> None:
         """A round of a single-row batch through the engine's draft tree (_tree_round)."""
