@@ -642,7 +642,7 @@ class BatchDecode:
         if k:
             for i in [i for i, f in enumerate(self.finished) if not f]:
                 policy.record(self.accept[i], k, int(n_acc[i]))
-        policy.observe(len(self) * width, k > 0, seconds)
+        policy.observe(len(self) * width, k > 0, seconds, (len(self), k))
 
     def _tree_step(self) -> None:
         """A round of a single-row batch through the engine's draft tree (_tree_round)."""

@@ -10,7 +10,8 @@ row i's slot m was accepted when its round reached that slot, shrunk toward the 
 is known.
 
 A round's seconds: a line a + b·r + c·s in the target rows it feeds (r = N·(k+1)) and whether it drafts (s),
-least-squares fitted to the engine's measured rounds, older rounds forgotten (`DECAY` per round) and the slopes
+least-squares fitted to the engine's measured rounds (but the first of each shape, which pays for building its
+kernels: oneDNN's primitives, Triton's JIT), older rounds forgotten (`DECAY` per round) and the slopes
 pulled toward 0 by a small ridge. The first round drafts all; while the rounds seen fed about the same number of
 rows (the slope unknown: the first rounds, or a long stretch of one batch size once the older rounds are
 forgotten), the next round feeds the most different number of rows it can, and so measures it.
@@ -54,6 +55,7 @@ class DraftPolicy:
         self.rows = RowAcceptance(max_len)  # all rows' counts, the prior of each one's
         self.gram = torch.zeros(3, 3, dtype=torch.float64)  # decayed sum of x x^T, x = (1, r, s)
         self.moment = torch.zeros(3, dtype=torch.float64)  # decayed sum of x * seconds
+        self.shapes: set = set()  # round shapes seen (their first round is not fitted)
 
     def new_row(self) -> RowAcceptance:
         return RowAcceptance(self.K)
@@ -63,8 +65,13 @@ class DraftPolicy:
         row.record(drafted, accepted)
         self.rows.record(drafted, accepted)
 
-    def observe(self, rows_fed: int, drafted: bool, seconds: float) -> None:
-        """A round's measured seconds, with the target rows it fed and whether it drafted."""
+    def observe(self, rows_fed: int, drafted: bool, seconds: float, shape=None) -> None:
+        """A round's measured seconds, with the target rows it fed and whether it drafted; `shape` (any hashable,
+        default (rows_fed, drafted)): rounds of a shape not seen before are not fitted (kernels being built)."""
+        shape = (rows_fed, drafted) if shape is None else shape
+        if shape not in self.shapes:
+            self.shapes.add(shape)
+            return
         x = torch.tensor([1.0, rows_fed, float(drafted)], dtype=torch.float64)
         self.gram.mul_(DECAY).add_(torch.outer(x, x))
         self.moment.mul_(DECAY).add_(x * seconds)

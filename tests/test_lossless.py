@@ -548,10 +548,11 @@ def test_draft_trees_on_cuda_stay_lossless(tiny):
 
 def test_goodput_rounds_draft_what_their_cost_allows_and_stay_ar(tiny):
     """Engine(goodput=True): each batched round drafts 0 .. draft_len tokens by goodput (dspine/goodput.py).
-    The measured seconds are replaced here by a cost (deterministic, unlike a clock). The first round drafts
-    all, the second none (a second size of round, to measure the cost's slope); then, where verifying rows is
-    free, the rounds draft all, where each row costs more than any acceptance can return, none — and every row
-    is AR's output either way; at T = 1 they run their lengths."""
+    The measured seconds are replaced here by a cost (deterministic, unlike a clock). The first two rounds
+    draft all (the first round of a shape is not fitted: its kernels are being built), the next two none (a
+    second size of round, to measure the cost's slope); then, where verifying rows is free, the rounds draft
+    all, where each row costs more than any acceptance can return, none — and every row is AR's output either
+    way; at T = 1 they run their lengths."""
     from dspine.engine import generate_batch
 
     target, pairs = tiny
@@ -564,13 +565,13 @@ def test_goodput_rounds_draft_what_their_cost_allows_and_stay_ar(tiny):
     for cost, later in ((lambda r, s: 0.02, {5}), (lambda r, s: 0.05 * r + 0.05 * s, {0})):
         eng = Engine(target, drafter, draft_len=5, goodput=True)
         observe, choose, chosen = eng.policy.observe, eng.policy.choose, []
-        eng.policy.observe = lambda r, s, sec, observe=observe, cost=cost: observe(r, s, cost(r, s))
+        eng.policy.observe = lambda r, s, sec, shape, observe=observe, cost=cost: observe(r, s, cost(r, s), shape)
         eng.policy.choose = lambda rows, n, choose=choose, chosen=chosen: chosen.append(choose(rows, n)) or chosen[-1]
         got = generate_batch(eng, prompts, params)
         assert [g.token_ids for g in got] == want
-        assert chosen[:2] == [5, 0] and set(chosen[2:]) == later
+        assert chosen[:4] == [5, 5, 0, 0] and set(chosen[4:]) == later
         drafted = sum(g.stats.rounds for g in got)
-        assert drafted > 2 * len(prompts) if later == {5} else drafted == len(prompts)  # the first round only
+        assert drafted > 4 * len(prompts) if later == {5} else drafted == 2 * len(prompts)  # the first two rounds
         T1 = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=2) for n in lengths]
         assert [len(g.token_ids) for g in generate_batch(eng, prompts, T1)] == lengths
 
@@ -582,6 +583,8 @@ def test_draft_policy_weighs_acceptance_against_the_cost_of_rows():
 
     p = DraftPolicy(3)
     assert p.choose([p.new_row()], 8) == 3  # nothing measured yet: draft all
+    p.observe(8, False, 5.0)  # the first round of its shape: not fitted
+    assert p.choose([p.new_row()], 8) == 3 and not p.gram.any()
     for _ in range(10):
         p.observe(8, False, 0.05)
     assert p.seconds(32, True) == pytest.approx(0.05, rel=0.02)  # always 8 rows: the slopes unknown, ~0
