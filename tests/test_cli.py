@@ -77,10 +77,13 @@ def test_draft_lens_and_spec_max_batch_are_parsed_or_refused_clearly(capsys):
 
     assert _draft_lens("8,3,3:4,3:4:2,3::1") == [8, 3, (3, 4, None), (3, 4, 2), (3, None, 1)]
     assert _draft_lens("t0000.1.01:5:2,t1") == [("0000.01.1", 5, 2), ("1", None, None)]  # draft trees
+    assert _draft_lens("3:4:g,t0000.1:5:g,2::g") == [(3, 4, "g"), ("0000.1", 5, "g"), (2, None, "g")]  # by goodput
     for bad, why in (
         ("t0x", "rank digits"),
         ("t0:0", ">= 1"),
         ("3:4:2:1", "is not D, D:S or D:S:M"),
+        ("3:4:h", "is not D, D:S or D:S:M"),
+        ("3:4:g:1", "is not D, D:S or D:S:M"),
         ("x", "is not D, D:S or D:S:M"),
         ("3:0", ">= 1"),
         (":4", ">= 1"),
@@ -89,3 +92,5 @@ def test_draft_lens_and_spec_max_batch_are_parsed_or_refused_clearly(capsys):
             _draft_lens(bad)
     assert main(["serve", "--drafter", "none", "--spec-max-batch", "2"]) == 2
     assert "--spec-max-batch needs a drafter" in capsys.readouterr().err
+    assert main(["serve", "--drafter", "none", "--draft-policy", "goodput"]) == 2
+    assert "--draft-policy needs a drafter" in capsys.readouterr().err
