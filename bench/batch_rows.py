@@ -19,18 +19,14 @@ import torch
 from dspine.checkpoint import load_models, resolve_drafter
 from dspine.drafter import block_attention_mask
 from dspine.engine import DraftContext
-from dspine.io import atomic_write_text, md_table, provenance
+from dspine.io import atomic_write_text, comma_ints, md_table, provenance
 from dspine.target import DEFAULT_TARGET
-
-
-def ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=ints, default=[1, 2, 4, 8], help="open requests N")
-    ap.add_argument("--drafts", type=ints, default=[0, 1, 2, 3, 5], help="drafts per request k (0: the AR step)")
+    ap.add_argument("--batches", type=comma_ints, default=[1, 2, 4, 8], help="open requests N")
+    ap.add_argument("--drafts", type=comma_ints, default=[0, 1, 2, 3, 5], help="drafts per request k (0: the AR step)")
     ap.add_argument("--context", type=int, default=200, help="cached positions per request")
     ap.add_argument("--draft-dtype", default="int8", help="the drafter's decode dtype (checkpoint.draft_dtype)")
     ap.add_argument("--repeats", type=int, default=9, help="timed rounds per cell (median reported)")

@@ -14,18 +14,16 @@ from pathlib import Path
 
 import torch
 
-from dspine.io import atomic_write_text, md_table, provenance
+from dspine.io import atomic_write_text, comma_ints, md_table, provenance
 from dspine.target import _SDPA_GQA, DEFAULT_TARGET, load_target
-
-
-def ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", type=ints, default=[200, 1000, 2000], help="cached positions before the forward")
-    ap.add_argument("--rows", type=ints, default=[1, 6, 16], help="new rows per forward")
+    ap.add_argument(
+        "--contexts", type=comma_ints, default=[200, 1000, 2000], help="cached positions before the forward"
+    )
+    ap.add_argument("--rows", type=comma_ints, default=[1, 6, 16], help="new rows per forward")
     ap.add_argument("--repeats", type=int, default=7, help="timed rounds per cell (median reported)")
     ap.add_argument("--out", default="cpu_attention.json", help="JSON (a .md table beside it)")
     a = ap.parse_args()

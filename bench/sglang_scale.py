@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from dspine.config import ConfigError
+from dspine.io import comma_ints
 from dspine.sglang.scale import SHAPES, ScaleConfig, run_scale
 
 
@@ -26,15 +27,11 @@ def floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
 
-def ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-8b", help=f"one of {', '.join(SHAPES)} or a CONFIG.json")
     ap.add_argument("--taus", type=floats, default=[2.0, 3.0, 4.8], help="forced τ, comma-separated")
-    ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 32])
+    ap.add_argument("--concurrency", type=comma_ints, default=[1, 4, 16, 32])
     ap.add_argument("--methods", default="ar,dflash,dspine")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--per-benchmark", type=int, default=10, help="first-turn prompts per benchmark")

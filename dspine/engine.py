@@ -184,9 +184,10 @@ class DraftContext:
         """feats (N, n, m*d), pos (N, n)."""
         self._waiting.append((feats, pos))
         if not lazy:
-            self._project()
+            self.project()
 
-    def _project(self) -> None:
+    def project(self) -> None:
+        """Project the waiting columns now."""
         if not self._waiting:
             return
         feats, pos = (torch.cat(x, 1) for x in zip(*self._waiting))
@@ -200,7 +201,7 @@ class DraftContext:
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per layer (k, v) each (N, Hkv, C, hd), every extended column included."""
-        self._project()
+        self.project()
         return self._kv
 
     @kv.setter
@@ -463,16 +464,24 @@ def _prefill(tgt: Target, ids: list[list[int]], layer_ids):
         lg, ft = tgt.forward(torch.tensor([x], device=dev), caches[-1], layer_ids, logits_at=at[None])
         logits.append(lg[:, 0])
         feats.append(ft)
+    feats = torch.cat([_pad_columns(f, L) for f in feats]) if layer_ids is not None else None
+    return _stack_caches(caches, L), valid, torch.cat(logits), feats
 
-    def pad(t: torch.Tensor, dim: int) -> torch.Tensor:  # to L along dim, zeros after
-        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - dim - 1) + (0, L - t.shape[dim]))
 
-    cache = caches[0]
-    for j, layer in enumerate(cache.layers):
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():  # (1, H, n, hd) each
-            layer.keys = torch.cat([pad(c.layers[j].keys, 2) for c in caches])
-            layer.values = torch.cat([pad(c.layers[j].values, 2) for c in caches])
-    return cache, valid, torch.cat(logits), torch.cat([pad(f, 1) for f in feats]) if layer_ids is not None else None
+def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t (..., C, x) -> (..., width, x), zeros after: a cache's or a feature tensor's columns (masked)."""
+    return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[-2]))
+
+
+def _stack_caches(caches: list, width: int):
+    """Target caches of rows side by side -> the first, holding every row (layers' (N, H, C, hd)), each
+    padded to `width` columns."""
+    first = caches[0]
+    for j, layer in enumerate(first.layers):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = torch.cat([_pad_columns(c.layers[j].keys, width) for c in caches])
+            layer.values = torch.cat([_pad_columns(c.layers[j].values, width) for c in caches])
+    return first
 
 
 def _logprob(raw: torch.Tensor, tok: int, k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -633,7 +642,7 @@ class BatchDecode:
         if policy is not None:
             k = policy.choose([a for a, f in zip(self.accept, self.finished) if not f], N)
         if k:
-            self.ctx.kv  # noqa: B018
+            self.ctx.project()
         return k
 
     def _observe(self, k: int, n_acc: torch.Tensor, width: int, seconds: float) -> None:
@@ -748,17 +757,11 @@ class BatchDecode:
             raise ValueError("only batches of one engine that draw tokens alike can merge")
         C = max(self.width, other.width)
         for b in (self, other):
-            pad = C - b.width
-            if pad:
-                b.valid = torch.cat([b.valid, b.valid.new_zeros(len(b), pad)], 1)
-                b._map_rows(lambda t, pad=pad: torch.nn.functional.pad(t, (0, 0, 0, pad)))
-        layers = [(x, y) for x, y in zip(self.cache.layers, other.cache.layers) if x.keys.numel()]
-        for x, y in layers:
-            x.keys, x.values = torch.cat([x.keys, y.keys]), torch.cat([x.values, y.values])
+            b.valid = torch.cat([b.valid, b.valid.new_zeros(len(b), C - b.width)], 1)
+        self.cache = _stack_caches([self.cache, other.cache], C)
         if self.ctx is not None:
-            self.ctx.kv = [
-                (torch.cat([k0, k1]), torch.cat([v0, v1])) for (k0, v0), (k1, v1) in zip(self.ctx.kv, other.ctx.kv)
-            ]
+            pair = lambda a, b: torch.cat([_pad_columns(a, C), _pad_columns(b, C)])
+            self.ctx.kv = [(pair(k0, k1), pair(v0, v1)) for (k0, v0), (k1, v1) in zip(self.ctx.kv, other.ctx.kv)]
         if self.counts is not None or other.counts is not None:
             V = self.engine.target.info.vocab_size
             z = lambda b: b.counts if b.counts is not None else torch.zeros(len(b), V, device=b.valid.device)

@@ -76,25 +76,36 @@ class DraftPolicy:
         self.gram.mul_(DECAY).add_(torch.outer(x, x))
         self.moment.mul_(DECAY).add_(x * seconds)
 
-    def seconds(self, rows_fed: int, drafted: bool) -> float:
-        """The fitted seconds of a round feeding `rows_fed` target rows (0 before any round was measured)."""
+    def fit(self) -> tuple[float, float, float]:
+        """The cost line's (a, b, c); zeros before any round was measured."""
         if not self.gram[0, 0]:
-            return 0.0
-        w = torch.linalg.solve(self.gram + torch.diag(torch.tensor([0.0, RIDGE, RIDGE], dtype=torch.float64)),
-                               self.moment)  # fmt: skip
-        return float(w[0] + w[1] * rows_fed + w[2] * drafted)
+            return 0.0, 0.0, 0.0
+        ridge = torch.diag(torch.tensor([0.0, RIDGE, RIDGE], dtype=torch.float64))
+        return tuple(torch.linalg.solve(self.gram + ridge, self.moment).tolist())
+
+    def seconds(self, rows_fed: int, drafted: bool, line: tuple[float, float, float] | None = None) -> float:
+        """The fitted seconds of a round feeding `rows_fed` target rows (0 before any round was measured)."""
+        a, b, c = line or self.fit()
+        return a + b * rows_fed + c * drafted
 
     def rates(self, row: RowAcceptance) -> list[float]:
         """a_{i,m} for m = 1..K: the row's acceptance rate per slot, shrunk toward all rows'."""
-        g = [(a + PRIOR * START_RATE) / (r + PRIOR) for a, r in zip(self.rows.acc, self.rows.reach)]
-        return [(a + PRIOR * p) / (r + PRIOR) for a, r, p in zip(row.acc, row.reach, g)]
+        return self._shrunk(row, self._overall())
+
+    def _overall(self) -> list[float]:
+        return [(a + PRIOR * START_RATE) / (r + PRIOR) for a, r in zip(self.rows.acc, self.rows.reach)]
+
+    @staticmethod
+    def _shrunk(row: RowAcceptance, prior: list[float]) -> list[float]:
+        return [(a + PRIOR * p) / (r + PRIOR) for a, r, p in zip(row.acc, row.reach, prior)]
 
     def expected(self, rows: list[RowAcceptance]) -> list[float]:
         """E(k) = sum_i E_i(k) for k = 0..K: the tokens the rows are expected to commit drafting k."""
         out = [float(len(rows))] + [0.0] * self.K
+        prior = self._overall()
         for row in rows:
             p = 1.0
-            for m, a in enumerate(self.rates(row), 1):
+            for m, a in enumerate(self._shrunk(row, prior), 1):
                 p *= a
                 out[m] += p
         for k in range(1, self.K + 1):
@@ -110,6 +121,6 @@ class DraftPolicy:
         n, mean = self.gram[0, 0], self.gram[0, 1] / self.gram[0, 0]
         if self.gram[1, 1] / n - mean**2 < 1.0:  # every round fed about the same rows: measure another size first
             return max(range(self.K + 1), key=lambda k: abs(batch * (k + 1) - mean))
-        gains = self.expected(rows)
-        costs = [max(self.seconds(batch * (k + 1), k > 0), 1e-6) for k in range(self.K + 1)]
+        gains, line = self.expected(rows), self.fit()
+        costs = [max(self.seconds(batch * (k + 1), k > 0, line), 1e-6) for k in range(self.K + 1)]
         return max(range(self.K + 1), key=lambda k: gains[k] / costs[k])

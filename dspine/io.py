@@ -78,6 +78,11 @@ def update_summary(path: str | Path, section: str, value: dict) -> None:
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
+def comma_ints(text: str) -> list[int]:
+    """ "1,4,8" -> [1, 4, 8] (empty items skipped): a list-of-integers command-line option."""
+    return [int(x) for x in text.split(",") if x]
+
+
 def md_table(header: list[str], rows: list[list]) -> str:
     """A Markdown table: header cells, then one list of cells per row (each cell str()-ed)."""
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]

@@ -313,18 +313,18 @@ class Target:
             position_ids=position_ids,
         )
         kw[self._cache_kw] = cache
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         small = self._own_head and not self.packed and input_ids.numel() <= 256
-        if (logits_at is not None and self._plain_head) or small:  # the decoder alone, then the head
+        at = None if logits_at is None else (torch.arange(input_ids.shape[0], device=input_ids.device), logits_at)
+        if (at is not None and self._plain_head) or small:  # the decoder alone, then the head
             out = self.model.get_decoder()(**kw)
-            h = out.last_hidden_state if logits_at is None else out.last_hidden_state[rows, logits_at][:, None]
+            h = out.last_hidden_state if at is None else out.last_hidden_state[at][:, None]
             if self._own_head and not self.packed:  # as W @ h^T (see _own_head)
                 logits = (self.head_weight @ h.reshape(-1, h.shape[-1]).t()).t().reshape(*h.shape[:-1], -1)
             else:
                 logits = self.model.get_output_embeddings()(h)
         else:
             out = self.model(**kw)
-            logits = out.logits if logits_at is None else out.logits[rows, logits_at][:, None]
+            logits = out.logits if at is None else out.logits[at][:, None]
         feats = None
         if layer_ids is not None:
             hs = out.hidden_states  # [embeddings, layer 0 out, layer 1 out, ...]
