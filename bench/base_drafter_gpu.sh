@@ -8,6 +8,10 @@
 #                                                  dspine.part*, dflash.part* and *_config.json) into place: the
 #                                                  packed data (regen then has nothing left to answer) and both
 #                                                  drafters to warm-start from (several calls when over 64 MiB)
+#   bash bench/base_drafter_gpu.sh regen S         regenerate (bf16) until S seconds after the call began, nothing
+#                                                  else; what it answered comes back as data.tar.* (a device lent
+#                                                  too briefly to train still advances the data: `stage` it next
+#                                                  time and regeneration goes on from there)
 #   bash bench/base_drafter_gpu.sh start S [MORE]  regenerate (bf16) what is not there yet (the new pools of
 #                                                  the recipe's added_workload too), pick the batch size
 #                                                  (bench/train_step.py --pick; BS=N skips it), then train until
@@ -70,6 +74,10 @@ stage)
   done
   if ls "$2"/data.tar.* > /dev/null 2>&1; then cat "$2"/data.tar.* | tar x -C $W; fi
   find $W -maxdepth 3 -type f | sort ;;
+regen)
+  had=$(ls $W/data*/part-* 2> /dev/null | wc -l)
+  timeout "$(left $(($2 - 20)))" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
+  if [ "$(ls $W/data*/part-* 2> /dev/null | wc -l)" != "$had" ]; then pack; fi ;;
 start)
   had=$(ls -d $W/data* 2> /dev/null | wc -l)
   timeout "$(left "$2")" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
