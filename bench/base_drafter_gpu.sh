@@ -61,7 +61,8 @@ common() { echo --base --work $W --no-progress $(ovr); }
 # the regenerated data, packed, in 15 MB pieces to $OUT (data, data_t1, and the added pools' data_added*)
 pack() {
   rm -rf $W/pack
-  sets=$(cd $W && ls -d data data_*)
+  # only sets with answers: a regeneration stopped early leaves later sets absent or empty
+  sets=$(cd $W && for d in data data_*; do if ls $d/part-* > /dev/null 2>&1; then echo $d; fi; done)
   for f in $sets; do python -c "from dspine.train.data import pack_dataset as p; p('$W/$f', '$W/pack/$f')"; done
   tar c -C $W/pack $sets | split -b 15000000 -d - $OUT/data.tar.
 }
