@@ -66,6 +66,14 @@ pack() {
   for f in $sets; do python -c "from dspine.train.data import pack_dataset as p; p('$W/$f', '$W/pack/$f')"; done
   tar c -C $W/pack $sets | split -b 15000000 -d - $OUT/data.tar.
 }
+# regenerate (bf16) what is not there yet until $1 seconds after the call began; what it answered comes back at
+# once (counted in parts, so answers added to a staged set count too): a machine lost before `back` need not
+# regenerate it (stage DIR)
+regen_until() {
+  had=$(ls $W/data*/part-* 2> /dev/null | wc -l)
+  timeout "$(left "$1")" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
+  if [ "$(ls $W/data*/part-* 2> /dev/null | wc -l)" != "$had" ]; then pack; fi
+}
 case "$1" in
 stage)
   for m in dspine dflash; do
@@ -76,14 +84,9 @@ stage)
   if ls "$2"/data.tar.* > /dev/null 2>&1; then cat "$2"/data.tar.* | tar x -C $W; fi
   find $W -maxdepth 3 -type f | sort ;;
 regen)
-  had=$(ls $W/data*/part-* 2> /dev/null | wc -l)
-  timeout "$(left $(($2 - 20)))" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
-  if [ "$(ls $W/data*/part-* 2> /dev/null | wc -l)" != "$had" ]; then pack; fi ;;
+  regen_until $(($2 - 20)) ;;
 start)
-  had=$(ls -d $W/data* 2> /dev/null | wc -l)
-  timeout "$(left "$2")" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
-  # what was regenerated comes back at once: a machine lost before `back` need not regenerate it (stage DIR)
-  if [ "$(ls -d $W/data* 2> /dev/null | wc -l)" != "$had" ]; then pack; fi
+  regen_until "$2"
   # written beside, then renamed: ovr() reads batch_size, which a redirection would empty before python starts
   # BS=N skips the probe (a continued run on the same GPU kind: the size the last probe picked)
   if [ -n "${BS:-}" ]; then
