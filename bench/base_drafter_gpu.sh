@@ -32,6 +32,8 @@
 # of it and `back` (WHICH=last) brings the pair home; the next session stages it and starts with the same BUDGET
 # and OFFSET=the seconds already trained (train_report.json's last elapsed_s): the schedule continues there.
 # PROFILE=1 with BS=N: `start` profiles N's step (bench/train_step.py --profile) instead of probing sizes.
+# EXTRA="key=value ...": more recipe overrides for every stage of the call (e.g. sampled_num_prompts=600 for a
+# shorter regeneration, eval_temperatures=[0.0]); give a call the same ones as the calls before it.
 # A continued run (gpu3's lockstep pair and data, kept in .carry/base1 and .carry/base2 of the development checkout):
 #   1 carry .carry/m1 (as above); 2 carry .carry/base1: `stage .carry/base1`; 3 carry .carry/base2: `stage
 #   .carry/base2`; then start (no regeneration left), more, eval, back as above.
@@ -56,7 +58,7 @@ warm() { [ -f $W/warm/dspine/model.safetensors ] && [ -f $W/warm/dflash/model.sa
 ovr() { echo target=/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf regen_dtype=bfloat16 \
   train.time_budget_s=$(cat $W/budget_s 2>/dev/null || echo 1000) train.batch_size=$(cat $W/batch_size 2>/dev/null || echo 16) \
   $([ -f $W/lr ] && echo train.lr=$(cat $W/lr) || true) \
-  $([ -f $W/offset ] && echo train.schedule_offset_s=$(cat $W/offset) || true); }
+  $([ -f $W/offset ] && echo train.schedule_offset_s=$(cat $W/offset) || true) ${EXTRA:-}; }
 common() { echo --base --work $W --no-progress $(ovr); }
 # the regenerated data, packed, in 15 MB pieces to $OUT (data, data_t1, and the added pools' data_added*)
 pack() {

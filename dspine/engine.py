@@ -414,11 +414,14 @@ def generate_batch(
     return [out[i] for i in range(len(prompts))]
 
 
-def generate_stream(engine: Engine, prompts: list, params=None, concurrency: int = 8) -> list[GenerationResult]:
+def generate_stream(
+    engine: Engine, prompts: list, params=None, concurrency: int = 8, timings: dict | None = None
+) -> list[GenerationResult]:
     """Decode the prompts with at most `concurrency` in flight (continuous batching, as `dspine serve`
     schedules): each round runs every open row; a finished row leaves at once and the next prompt, prefilled
     apart, joins the running batch -> one GenerationResult per prompt, in order. `params`: one SamplingParams
-    or one per prompt (drawing tokens alike, as BatchDecode's rows)."""
+    or one per prompt (drawing tokens alike, as BatchDecode's rows). `timings` (a dict) gains "prefill_s", the
+    seconds spent prefilling joining prompts, and "rounds", the batched rounds run."""
     if concurrency < 1:
         raise ValueError(f"concurrency {concurrency}: at least 1")
     per = params if isinstance(params, list) else [params] * len(prompts)
@@ -428,9 +431,12 @@ def generate_stream(engine: Engine, prompts: list, params=None, concurrency: int
         free = concurrency - (len(run) if run is not None else 0)
         if free > 0 and nxt < len(prompts):
             take = list(range(nxt, min(nxt + free, len(prompts))))
+            t0 = time.perf_counter()
             new = BatchDecode(engine, [prompts[i] for i in take], [per[i] for i in take], tags=take)
             nxt = take[-1] + 1
             out.update(new.pop_finished())
+            if timings is not None:
+                timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
             if len(new):
                 if run is None or not len(run):
                     run = new
@@ -439,6 +445,8 @@ def generate_stream(engine: Engine, prompts: list, params=None, concurrency: int
             continue  # fill up before the next round
         run.step()
         out.update(run.pop_finished())
+        if timings is not None:
+            timings["rounds"] = timings.get("rounds", 0) + 1
     return [out[i] for i in range(len(prompts))]
 
 

@@ -609,8 +609,9 @@ def test_draft_policy_weighs_acceptance_against_the_cost_of_rows():
 @pytest.mark.parametrize("method", ["ar", "dspine"])
 def test_stream_keeps_c_in_flight_and_uneven_prompts_prefill_apart(tiny, method, monkeypatch):
     """engine.generate_stream: at most c requests decode together, a finished one replaced at once; each gives
-    its single-request AR output. Prompts of very uneven lengths are prefilled one forward each (no padding to
-    the longest), even ones in one forward, with the same outputs."""
+    its single-request AR output; `timings` counts the prefills' seconds and the rounds. Prompts of very uneven
+    lengths are prefilled one forward each (no padding to the longest), even ones in one forward, with the same
+    outputs."""
     from dspine.engine import BatchDecode, generate_stream
 
     target, pairs = tiny
@@ -621,9 +622,15 @@ def test_stream_keeps_c_in_flight_and_uneven_prompts_prefill_apart(tiny, method,
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 6, 14, 9, 25, 11)]
     want = [ar.generate(p, q).token_ids for p, q in zip(prompts, params)]
     for c in (1, 2, 4):
-        got = generate_stream(eng, prompts, params, c)
+        timings: dict = {}
+        got = generate_stream(eng, prompts, params, c, timings)
         assert [r.token_ids for r in got] == want
         assert max(r.batch_size for r in got) == c
+        assert timings["prefill_s"] > 0
+        if method == "ar" and c == 1:  # one round per token after the prefill's
+            assert timings["rounds"] == sum(q.max_tokens - 1 for q in params)
+        else:
+            assert 0 < timings["rounds"] < sum(q.max_tokens - 1 for q in params)
     forwards = []
     real = target.forward
     monkeypatch.setattr(target, "forward", lambda ids, *a, **k: forwards.append(ids.shape) or real(ids, *a, **k))

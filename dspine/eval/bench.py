@@ -158,9 +158,12 @@ def _bench_single(
 def _bench_batched(engines: dict, own_ar: dict, items: list, c: int, max_new_tokens: int, temperature: float,
                    bar) -> dict:  # fmt: skip
     """c requests in flight, the items in chunks of 3c, every chunk on all engines in turn (so that a drifting
-    machine shifts every row alike) -> rows (throughput and τ)."""
+    machine shifts every row alike) -> rows (throughput and τ; and the decode alone: the tokens after each
+    request's first, which its prefill gives, over the seconds outside prefills — what speculation can speed up).
+    """
     results = {name: [] for name in engines}
     seconds = dict.fromkeys(engines, 0.0)
+    timings: dict[str, dict] = {name: {} for name in engines}
     for g in range(0, len(items), 3 * c):
         for name, eng in engines.items():
             t0 = time.perf_counter()
@@ -169,12 +172,18 @@ def _bench_batched(engines: dict, own_ar: dict, items: list, c: int, max_new_tok
                 [it.turns[0] for _, it in items[g : g + 3 * c]],
                 SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=g),
                 c,
+                timings[name],
             )
             seconds[name] += time.perf_counter() - t0
             bar.update(len(items[g : g + 3 * c]))
     rows = {name: _row(results[name], seconds[name]) for name in engines}
     for name, row in rows.items():
         _matches(results, own_ar, row, name)
+        row["prefill_s"], row["batched_rounds"] = timings[name].get("prefill_s", 0.0), timings[name].get("rounds", 0)
+        decode_s = max(row["seconds"] - row["prefill_s"], 1e-9)
+        row["decode_tokens_per_s"] = (row["tokens"] - row["requests"]) / decode_s
+    for row in rows.values():
+        row["decode_vs_ar"] = row["decode_tokens_per_s"] / rows["ar"]["decode_tokens_per_s"]
     return rows
 
 
@@ -216,7 +225,15 @@ def _concurrency_rows(doc: dict) -> str:
     names = list(doc["rows"])
     rows = [[c, *(f"{r[n]['tokens_per_s']:.0f} ({r[n]['speedup_vs_ar']:.2f})" for n in names)]
             for c, r in doc["by_concurrency"].items()]  # fmt: skip
-    return md_table(["concurrency", *(f"{n} tok/s (× AR)" for n in names)], rows)
+    parts = [md_table(["concurrency", *(f"{n} tok/s (× AR)" for n in names)], rows)]
+    batched = [(c, r) for c, r in doc["by_concurrency"].items() if "decode_tokens_per_s" in r.get("ar", {})]
+    if batched:  # the decode alone, prefills left out
+        rows = [[c, f"{r['ar']['prefill_s'] / r['ar']['seconds']:.2f}",
+                 *(f"{r[n]['decode_tokens_per_s']:.0f} ({r[n]['decode_vs_ar']:.2f})" for n in names)]
+                for c, r in batched]  # fmt: skip
+        header = ["concurrency", "AR's time in prefill", *(f"{n} decode tok/s (× AR)" for n in names)]
+        parts.append(md_table(header, rows))
+    return "\n\n".join(parts)
 
 
 def _timing_rows(timed: list) -> str:
