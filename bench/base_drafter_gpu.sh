@@ -71,10 +71,11 @@ pack() {
 # regenerate (bf16) what is not there yet until $1 seconds after the call began; what it answered comes back at
 # once (counted in parts, so answers added to a staged set count too): a machine lost before `back` need not
 # regenerate it (stage DIR)
+parts() { (ls $W/data*/part-* 2> /dev/null || true) | wc -l; }  # none yet is 0, not a failure under pipefail
 regen_until() {
-  had=$(ls $W/data*/part-* 2> /dev/null | wc -l)
+  had=$(parts)
   timeout "$(left "$1")" python bench/recipe.py --stage regen $(common) | tail -c 1200 || true
-  if [ "$(ls $W/data*/part-* 2> /dev/null | wc -l)" != "$had" ]; then pack; fi
+  if [ "$(parts)" != "$had" ]; then pack; fi
 }
 case "$1" in
 stage)
