@@ -53,6 +53,12 @@ def test_engine_bench_reports_speed_and_round_phases(tmp_path, smollm2, capsys):
     # concurrency 2: the batched engine decodes the same tokens (lossless), τ from the same stats type
     c2 = doc["by_concurrency"]["2"]
     assert c2["ar"]["tokens"] == c2["dspine"]["tokens"] == 10 and c2["dspine"]["tau_mean"] >= 1.0
+    # the decode alone: the tokens after the prefill's first over the seconds outside prefills
+    for r in (c2["ar"], c2["dspine"]):
+        assert 0 < r["prefill_s"] < r["seconds"] and r["batched_rounds"] >= 1
+        assert abs(r["decode_tokens_per_s"] - 9 / (r["seconds"] - r["prefill_s"])) < 1e-6
+    assert c2["ar"]["decode_vs_ar"] == 1.0 and c2["ar"]["batched_rounds"] == 9  # AR: a round per token
+    assert "decode tok/s (× AR)" in out.with_suffix(".md").read_text()
     assert "| dspine |" in capsys.readouterr().out and out.with_suffix(".md").is_file()
     for bad in ("float32,float32", "float32,int8", ""):
         assert main(["bench", "--dtype", bad]) == 2 and "--dtype" in capsys.readouterr().err
