@@ -75,6 +75,17 @@ def test_regen_halves_a_batch_out_of_memory(tmp_path, smollm2, monkeypatch):
     assert answers[0] == answers[1]
 
 
+def test_workload_ids_stay_when_the_recipe_grows():
+    """A prompt's regeneration id names its pool and its place there: a larger limit or another pool joined
+    adds ids and keeps the old ones on the same prompts (a resumed regeneration answers only the new)."""
+    from dspine.train.data import workload_items
+
+    small = dict(workload_items("gsm8k_train+mbpp_train", limit=3, suffix="@T1"))
+    large = dict(workload_items("sharegpt+gsm8k_train+mbpp_train", limit=5, suffix="@T1"))
+    assert list(small) == [f"{p}/{i}@T1" for p in ("gsm8k_train", "mbpp_train") for i in range(3)]
+    assert len(large) == 15 and all(large[i] == small[i] for i in small)
+
+
 def test_packed_data_trains_and_resumes_like_the_original(regen_dir, tmp_path, smollm2):
     """The compact copy a GPU run carries home: same samples in the same order, every prompt counted as
     answered, parts within the size asked, refusing to pack over other files."""

@@ -218,11 +218,16 @@ def regenerate_dataset(
 def workload_items(
     workload: str, limit: int | None = None, max_chars: int | None = None, suffix: str = ""
 ) -> list[tuple[str, str | list[dict]]]:
-    """(id, prompt) of a workload's prompts (`dspine.workloads.load_prompts`), ids "<workload>/<index><suffix>"."""
+    """(id, prompt) of a workload's prompts (`dspine.workloads.load_prompts`; "a+b" joins pools, the limit
+    per pool), ids "<pool>/<index in the pool><suffix>": a prompt keeps its id when the limit grows or other pools
+    are joined, so a regeneration resumed under a larger recipe answers only what is new."""
     from dspine.workloads import load_prompts
 
-    prompts = load_prompts(workload, limit=limit, max_chars=max_chars)
-    return [(f"{workload}/{i}{suffix}", p) for i, p in enumerate(prompts)]
+    return [
+        (f"{pool}/{i}{suffix}", p)
+        for pool in workload.split("+")
+        for i, p in enumerate(load_prompts(pool, limit=limit, max_chars=max_chars))
+    ]
 
 
 def pack_dataset(src: str | Path, dest: str | Path, max_bytes: int = 15_000_000) -> list[Path]:
