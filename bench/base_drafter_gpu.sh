@@ -39,6 +39,9 @@
 #   .carry/base2`; then start (no regeneration left), more, eval, back as above.
 # Carry limits (64 MiB a call): the tracked tree is ~20 MB, a target half 47 MB, so for the calls that carry one,
 # move workloads/data/office (7 MB, unused here) and the shipped drafter out of the working tree, back after.
+# That leaves ~3 MB beside a target half: packed data larger than that travels in pieces, one beside each half
+# (call 1 also `cp .carry/PIECES_A/* /tmp/stage/`; call 2 `cp .carry/PIECES_B/* /tmp/stage/; bash $0 stage
+# /tmp/stage`, then `start` in the same command).
 # Calls chain within the machine's 30 s idle release: have the next command ready; a machine given back between
 # `start` and `more` loses /tmp/base (session 29 lost a regeneration so) — hence `start` returns the data it
 # regenerated, as data.tar.* in $OUT, for `stage`.
