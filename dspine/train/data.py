@@ -248,11 +248,8 @@ def pack_dataset(src: str | Path, dest: str | Path, max_bytes: int = 15_000_000)
         raise RegenError(f"{src}: no regenerated data (part-*.parquet) to pack")
     if dest.exists() and any(dest.iterdir()):
         raise RegenError(f"{dest}: not empty; pack into a new folder")
-    # a packed set that regeneration went on answering mixes packed (uint16) and fresh (int64) id columns
-    tables = [pq.read_table(p) for p in parts]
-    tables = [t.cast(pa.schema([f.with_type(pa.list_(pa.int64())) if f.name.endswith("_ids") else f for f in t.schema]))
-              for t in tables]  # fmt: skip
-    table = pa.concat_tables(tables)
+    # permissive: a packed set that regeneration went on answering mixes packed (uint16) and fresh (int64) ids
+    table = pa.concat_tables([pq.read_table(p) for p in parts], promote_options="permissive")
     top = max(pc.max(pc.list_flatten(table[c])).as_py() or 0 for c in ("prompt_ids", "response_ids"))
     ids_type = pa.list_(pa.uint16() if top < 2**16 else pa.int32())
     for c in ("prompt", "response_text"):
