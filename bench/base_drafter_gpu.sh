@@ -34,6 +34,8 @@
 # PROFILE=1 with BS=N: `start` profiles N's step (bench/train_step.py --profile) instead of probing sizes.
 # EXTRA="key=value ...": more recipe overrides for every stage of the call (e.g. sampled_num_prompts=600 for a
 # shorter regeneration, eval_temperatures=[0.0]); give a call the same ones as the calls before it.
+# .carry/ is git-ignored: a session that starts on a new checkout finds it gone (sessions 19 and 33), and with it the
+# pair and data an earlier run brought back; the run then starts fresh.
 # A continued run (gpu3's lockstep pair and data, kept in .carry/base1 and .carry/base2 of the development checkout):
 #   1 carry .carry/m1 (as above); 2 carry .carry/base1: `stage .carry/base1`; 3 carry .carry/base2: `stage
 #   .carry/base2`; then start (no regeneration left), more, eval, back as above.
