@@ -105,8 +105,8 @@ def test_packed_data_trains_and_resumes_like_the_original(regen_dir, tmp_path, s
     rep = regenerate_dataset(smollm2, items, tmp_path / "p", max_new_tokens=12, progress=False)
     assert (rep.ok, rep.skipped) == (0, len(items))
     # regeneration goes on in a packed set (a staged run answering new prompts): it packs again, all rows kept
-    rep = regenerate_dataset(smollm2, items + [("z", "Name a color.")], tmp_path / "p", max_new_tokens=12,
-                             progress=False)  # fmt: skip
+    more = [*items, ("z", "Name a color.")]
+    rep = regenerate_dataset(smollm2, more, tmp_path / "p", max_new_tokens=12, progress=False)
     assert (rep.ok, rep.skipped) == (1, len(items))
     pack_dataset(tmp_path / "p", tmp_path / "p2")
     assert existing_ids(tmp_path / "p2") == existing_ids(regen_dir) | {"z"}

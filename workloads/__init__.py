@@ -252,10 +252,10 @@ def load_benchmark(name: str, limit: int | None = None) -> list[Item]:
     return items[:limit] if limit else items
 
 
-def load_prompts(name: str, limit: int | None = None, max_chars: int | None = None) -> list[str | list[dict]]:
-    """First-turn user prompts of a prompt pool or benchmark (file order), capped in count and length; an
-    item with a system prompt comes as its messages ([system, user]).
-    `name` may join pools with '+' (e.g. "sharegpt_3k+gsm8k_train"): the limit applies to each pool."""
+def load_pools(name: str, limit: int | None = None, max_chars: int | None = None) -> list[tuple[str, list]]:
+    """(pool, its prompts) for each pool `name` joins with '+' (e.g. "sharegpt_3k+gsm8k_train"): first-turn user
+    prompts in file order, capped in length and, per pool, in count; an item with a system prompt comes as its
+    messages ([system, user])."""
     out = []
     for part in name.split("+"):
         loader = PROMPT_POOLS.get(part) or BENCHMARKS.get(part)
@@ -271,5 +271,11 @@ def load_prompts(name: str, limit: int | None = None, max_chars: int | None = No
             for it in loader()
             if it.turns[0].strip() and (max_chars is None or len(it.turns[0]) <= max_chars)
         ]
-        out += prompts[:limit] if limit else prompts
+        out.append((part, prompts[:limit] if limit else prompts))
     return out
+
+
+def load_prompts(name: str, limit: int | None = None, max_chars: int | None = None) -> list[str | list[dict]]:
+    """First-turn user prompts of a prompt pool or benchmark, or of pools joined with '+' (`load_pools`, the limit
+    applying to each pool), one list."""
+    return [p for _, prompts in load_pools(name, limit, max_chars) for p in prompts]

@@ -218,15 +218,15 @@ def regenerate_dataset(
 def workload_items(
     workload: str, limit: int | None = None, max_chars: int | None = None, suffix: str = ""
 ) -> list[tuple[str, str | list[dict]]]:
-    """(id, prompt) of a workload's prompts (`dspine.workloads.load_prompts`; "a+b" joins pools, the limit
-    per pool), ids "<pool>/<index in the pool><suffix>": a prompt keeps its id when the limit grows or other pools
-    are joined, so a regeneration resumed under a larger recipe answers only what is new."""
-    from dspine.workloads import load_prompts
+    """(id, prompt) of a workload's prompts (`dspine.workloads.load_pools`: "a+b" joins pools, the limit per
+    pool), ids "<pool>/<index in the pool><suffix>": a prompt keeps its id when the limit grows or other pools are
+    joined, so a regeneration resumed under a larger recipe answers only what is new."""
+    from dspine.workloads import load_pools
 
     return [
         (f"{pool}/{i}{suffix}", p)
-        for pool in workload.split("+")
-        for i, p in enumerate(load_prompts(pool, limit=limit, max_chars=max_chars))
+        for pool, prompts in load_pools(workload, limit=limit, max_chars=max_chars)
+        for i, p in enumerate(prompts)
     ]
 
 
