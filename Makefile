@@ -30,8 +30,9 @@ demo-engine: $(STAMP)
 	dspine bench --backend engine --drafter dspine=builtin --benchmarks gsm8k,humaneval --limit 2 \
 	    --max-new-tokens 64 --out $(DEMO)/engine.json
 
+# the default tier: not GPU, not slow, no network; `make test-all` runs the slow and network tests too
 test: $(STAMP) lint
-	$(PY) -m pytest -q -m "not gpu and not slow" --durations=15
+	$(PY) -m pytest -q -m "not gpu and not slow and not network" --durations=15
 
 # ruff (config in pyproject.toml): lint, import order, complexity cap, and the formatter's check
 lint: $(STAMP)

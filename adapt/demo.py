@@ -37,23 +37,6 @@ class Stages:
         print(f"[{self.n}/{self.total} · {now - self.t0:4.0f} s] {what}", flush=True)
 
 
-def ray_env() -> dict:
-    # one machine: every Ray address stays 127.0.0.1 (Ray otherwise swaps it for the interface address)
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}  # fmt: skip
-
-
-def start_ray(env: dict) -> tuple[str, str]:
-    from dspine.process import free_port
-
-    port, dash = free_port(), free_port()
-    cmd = ["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--dashboard-host",
-           "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", str(os.cpu_count() or 2),
-           "--disable-usage-stats"]  # fmt: skip
-    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=180)
-    return f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
-
-
 def proxy_chat(proxy: str, key: str, workload: str, level: str, prompt: str) -> str:
     from dspine.adapt.deployment import call_json
 
@@ -97,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="leave the server, proxy and Ray head running")
     a = ap.parse_args(argv)
 
+    from dspine.adapt.cluster import LocalRayHead, ray_env
     from dspine.adapt.cycle import LoopConfig, run_iteration
     from dspine.adapt.deployment import DeployConfig
     from dspine.adapt.evaluation import EvalConfig
@@ -114,14 +98,14 @@ def main(argv=None) -> int:
     os.environ.update(
         {k: env[k] for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     )
+    head = None
     stage = Stages(7)
     admin, master = secrets.token_hex(8), "sk-demo-" + secrets.token_hex(8)
     server = proxy = None
-    ray_up = False
     try:
-        stage("Ray head on 127.0.0.1")
-        address, dashboard = start_ray(env)
-        ray_up = True
+        stage("Ray head on 127.0.0.1 (its own temp dir and ports)")
+        head = LocalRayHead()
+        address, dashboard = head.address, head.dashboard
         os.environ["RAY_ADDRESS"] = address  # Ray Train (fine-tune) joins this head
         stage("dspine serve: SmolLM2-135M-Instruct + the shipped DSpine drafter (swappable: --admin-key)")
         log = open(work / "server.log", "wb")
@@ -182,12 +166,12 @@ def main(argv=None) -> int:
             if server is not None:
                 server.terminate()
                 server.wait(30)
-            if ray_up:
+            if head is not None:
                 import ray
 
                 if ray.is_initialized():  # this process joined the head for Ray Train: leave before it stops
                     ray.shutdown()
-                subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+                head.stop()  # its own processes only (never `ray stop`)
         print(f"total {time.time() - stage.t0:.0f} s", flush=True)
 
 

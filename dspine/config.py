@@ -184,3 +184,49 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = nxt
         node[keys[-1]] = _parse_scalar(raw)
     return out
+
+
+def option(default: Any = None, help: str = "", flag: str | None = None, env: str | None = None, **argparse_kw):
+    """A config field whose command-line option is declared once, on the field (peft's LoraConfig way): its
+    help, and optionally its flag (default --field-name), an environment variable read for the default, and
+    argparse keywords (choices, metavar). `add_arguments` builds the options from it."""
+    meta = {"help": help, "flag": flag, "env": env, "argparse": argparse_kw}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _arg_type(tp: Any):
+    """int | None -> int; bool -> None (a switch); str/float/int as they are."""
+    args = (
+        [a for a in typing.get_args(tp) if a is not type(None)]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType)
+        else [tp]
+    )
+    return args[0] if args and args[0] in (int, float, str, bool) else str
+
+
+def add_arguments(parser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One argparse option per `option` field of the dataclass `cls` (fields without one are not options)."""
+    import os
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata or f.name in skip:
+            continue
+        meta, tp = f.metadata, _arg_type(hints[f.name])
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        default = os.environ.get(meta["env"], f.default) if meta["env"] else f.default
+        shown = f"${meta['env']}" if meta["env"] else (None if f.default is None else "%(default)s")
+        text = f"{meta['help']} (default: {shown})" if shown else meta["help"]  # None: the help says what applies
+        kw = dict(dest=f.name, default=default, help=text, **meta["argparse"])
+        if tp is not bool and "choices" not in kw:
+            kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+        if tp is bool:
+            parser.add_argument(flag, action="store_true", **kw)
+        else:
+            parser.add_argument(flag, type=tp, **kw)
+
+
+def from_arguments(cls: type[T], ns, **fields) -> T:
+    """The dataclass from the parsed options that `add_arguments` declared (plus `fields`)."""
+    names = {f.name for f in dataclasses.fields(cls) if "help" in f.metadata}
+    return cls(**{**{n: getattr(ns, n) for n in names if hasattr(ns, n)}, **fields})

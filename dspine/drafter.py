@@ -25,7 +25,7 @@ Design choices
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -48,11 +48,24 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 # ---------------------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------------------
-DSPINE_SECTION = ("method", "transfer_rank", "message_size", "top_k")  # config.json's dspine_config keys
+@dataclass(kw_only=True)
+class DSpineSection:
+    """The DSpine settings: config.json's `dspine_config` section, read by the drafter (DSpineConfig extends it)
+    and by the SGLang plugin from an export (unknown keys are an error)."""
+
+    method: str = "dspine"
+    transfer_rank: int = 256
+    message_size: int = 256
+    top_k: int = 8
+
+
+DSPINE_SECTION = tuple(f.name for f in fields(DSpineSection))  # config.json's dspine_config keys
 
 
 @dataclass
-class DSpineConfig:
+class DSpineConfig(DSpineSection):
+    """The drafter: its backbone (the target's width), DFlash's block, and the DSpine section (keyword-only)."""
+
     # backbone (Qwen3-style, the target's width)
     hidden_size: int
     intermediate_size: int
@@ -70,11 +83,6 @@ class DSpineConfig:
     mask_token_id: int = 0
     target_layer_ids: list[int] = field(default_factory=list)
     is_causal: bool = False
-    # DSpine
-    method: str = "dspine"
-    transfer_rank: int = 256
-    message_size: int = 256
-    top_k: int = 8
 
     def __post_init__(self):
         if not self.target_layer_ids:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dspine.sampling import sample
+from dspine.sampling import SamplingParams, sample, warp_probs
 
 
 def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,3 +91,22 @@ def verify_sampled(
     mass = resid.sum(-1, keepdim=True)
     resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_at)  # p == q: nothing to correct
     return n_acc, sample(resid, generator)
+
+
+def verify_chain(prop, logits: torch.Tensor, params: SamplingParams, gen, sampled_verifier=verify_sampled):
+    """A chain's Proposal (tokens (N, k), q) + the target's logits (N, k+1, V) at [anchor, drafts] -> (accepted (N,),
+    next token (N,)): greedy, or rejection sampling against the warped target distribution."""
+    if params.greedy:
+        return verify_greedy(prop.tokens, logits)
+    return sampled_verifier(prop.tokens, prop.q, warp_probs(logits, params), gen)
+
+
+def verify_forced(drafts: torch.Tensor, ahead: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts (1, k) against a given continuation -> (accepted (1,), next token (1,)); past the end of `ahead`
+    nothing is accepted and the next token is a placeholder the stopper never reaches."""
+    n = 0
+    row = drafts[0].tolist()
+    while n < len(row) and n < len(ahead) and row[n] == ahead[n]:
+        n += 1
+    nxt = ahead[n] if n < len(ahead) else row[0]
+    return torch.tensor([n]), torch.tensor([nxt])

@@ -67,10 +67,20 @@ def test_shipped_drafter_is_lossless_and_trained(smollm2, shipped, dtype):
     assert sum(taus) / len(taus) > 1.5, taus
 
 
+def _engine(target, drafter, draft_len, spec_max_batch=None, tree=None, policy=None):
+    """The engine `dspine generate`/`serve` build from these options (the CLI's own path: EngineOptions fields)."""
+    from argparse import Namespace
+
+    from dspine.cli import engine_from_args
+
+    a = Namespace(draft_len=draft_len, spec_max_batch=spec_max_batch, draft_tree=tree, draft_policy=policy)
+    return engine_from_args(a, target, drafter)
+
+
 def test_generate_on_a_cpu_drafts_through_the_default_tree_losslessly(smollm2):
     """`dspine generate`'s CPU engine: int8 drafts, rounds of one request through CPU_DRAFT_TREE (a chain of its
     --draft-len for batches), exact AR output; --draft-tree none keeps the chain."""
-    from dspine.cli import CPU_DRAFT_LEN, CPU_DRAFT_TREE, _engine
+    from dspine.engine import CPU_DRAFT_LEN, CPU_DRAFT_TREE
 
     drafter = load_drafter(builtin_drafter("smollm2-135m-instruct"), smollm2, dtype=torch.qint8)
     eng = _engine(smollm2, drafter, None)
@@ -87,7 +97,7 @@ def test_generate_on_a_cpu_drafts_through_the_default_tree_losslessly(smollm2):
 def test_default_tree_per_device_fits_the_drafter():
     """Without --draft-len or --draft-tree a single request's rounds verify the CPU's small tree on a CPU and the
     32-node tree elsewhere; a drafter whose block or top_k is too small for the tree gets the chain."""
-    from dspine.cli import CPU_DRAFT_TREE, GPU_DRAFT_TREE, default_draft_tree
+    from dspine.engine import CPU_DRAFT_TREE, GPU_DRAFT_TREE, default_draft_tree
 
     cfg = read_config(builtin_drafter("smollm2-135m-instruct"))
     assert default_draft_tree("cpu", cfg) == CPU_DRAFT_TREE
@@ -139,7 +149,7 @@ def test_cpu_defaults_of_serve_and_generate(smollm2, shipped):
     the drafter's dtype: auto is bf16 on a CPU with native bf16 instructions, else int8 there; the target's
     elsewhere."""
     from dspine.checkpoint import CheckpointError, draft_dtype
-    from dspine.cli import UsageError, _dtype_tag, _engine
+    from dspine.cli import UsageError, dtype_tag
 
     got = _engine(smollm2, shipped, None)
     assert (got.draft_len, got.draft_block, got.spec_max_batch, got.policy.K) == (3, 4, None, 3)
@@ -158,7 +168,7 @@ def test_cpu_defaults_of_serve_and_generate(smollm2, shipped):
     assert draft_dtype("auto", torch.float32, "cpu") == (torch.bfloat16 if native else torch.qint8)
     assert draft_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
     assert draft_dtype(None, torch.float32, "cpu") == torch.float32
-    assert draft_dtype("int8", torch.float32, "cpu") == torch.qint8 and _dtype_tag(str(torch.qint8)) == "int8"
+    assert draft_dtype("int8", torch.float32, "cpu") == torch.qint8 and dtype_tag(str(torch.qint8)) == "int8"
     with pytest.raises(CheckpointError, match="draft dtype 'int4' is not one of"):
         draft_dtype("int4", torch.float32, "cpu")
     with pytest.raises(CheckpointError, match="int8 needs a CPU"):

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import running_server
 
+from dspine.adapt.cluster import LocalRayHead, alive
 from dspine.agents.traces import SCHEMA
 from dspine.checkpoint import save_drafter
-from dspine.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--max-turns", "2", "--max-tokens", "16", "--concurrency", "2", "--tool-wall-s", "20"]
@@ -26,19 +26,28 @@ SMALL = ["--max-turns", "2", "--max-tokens", "16", "--concurrency", "2", "--tool
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    # one machine: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every Ray address on 127.0.0.1 (Ray otherwise swaps
-    # 127.0.0.1 for the machine's interface address)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
-    dash = free_port()
-    cmd = ["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(free_port()),
-           "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "2",
-           "--disable-usage-stats"]  # fmt: skip
-    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=180)
-    try:
-        yield f"http://127.0.0.1:{dash}", env
-    finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+    """A head of the test's own (its temp dir, its ports), stopped by its own processes' ids."""
+    with LocalRayHead(num_cpus=2) as head:
+        yield head.dashboard, head.env
+
+
+def test_stopping_one_ray_head_leaves_another_running(ray_head):
+    """The project's cleanup ends its own head's processes and nothing else: a second head started and stopped
+    beside the module's leaves the module's running (its job API answers, its processes live)."""
+    import urllib.request
+
+    url, _ = ray_head
+    with urllib.request.urlopen(url + "/api/version", timeout=5) as r:
+        assert r.status == 200
+    other = LocalRayHead(num_cpus=1)
+    theirs = other.pids()
+    assert len(theirs) > 2 and other.dashboard != url
+    other.stop()
+    assert not any(alive(p) for p in theirs)
+    with urllib.request.urlopen(url + "/api/version", timeout=5) as r:  # the first head still serves
+        assert r.status == 200
+    r = submit(ray_head, ["--help"])
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")

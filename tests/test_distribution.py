@@ -8,10 +8,10 @@ import torch
 from conftest import perturb_writes, tiny_target
 from scipy.stats import chisquare
 
-import dspine.engine
+import dspine.reference
 from dspine.decoding import DraftTree
 from dspine.drafter import DSpineDraftModel
-from dspine.engine import speculative_step, speculative_tree_step
+from dspine.reference import speculative_step, speculative_tree_step
 from dspine.sampling import SamplingParams, sample, warp_probs
 from dspine.verify import verify_sampled, verify_tree_sampled
 
@@ -139,7 +139,7 @@ def test_broken_tree_verifier_is_caught(peaked_target, monkeypatch):
         """The sampled child passes without the min(1, p/q) test (q read as zero); ranked ones are tested."""
         return verify_tree_sampled(tokens, [x if x is None else 0 * x for x in q], parents, p, generator)
 
-    monkeypatch.setattr(dspine.engine, "verify_tree_sampled", accepts_the_sampled_child)
+    monkeypatch.setattr(dspine.reference, "verify_tree_sampled", accepts_the_sampled_child)
     params = SamplingParams(temperature=1.0)
     tree = DraftTree.parse("0.1.2.01")
     tokens = speculative_samples(peaked_target, make_drafter(peaked_target, "dflash"), params, None, tree=tree)

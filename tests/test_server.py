@@ -401,3 +401,47 @@ def test_limits_disconnects_and_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_served_reply_equals_dspine_generate_up_to_the_context_window(tmp_path, capsys):
+    """One decode loop: a request gives the same tokens through `dspine serve` (HTTP) and `dspine generate`, greedy
+    fp32 — alone (the single-request draft tree), as two choices decoded side by side (batched chains), through
+    `--draft-tree none` (chains), and AR's. The target is SmolLM2 with a 384-token window (its config edited), and
+    the request runs into it: every path finishes with AR steps up to the window's last position."""
+    from dspine.cli import main
+    from dspine.drafters import builtin_drafter
+    from dspine.serve.server import start_server_process
+    from dspine.target import resolve_target_path
+
+    src, small = resolve_target_path("smollm2-135m-instruct"), tmp_path / "smol384"
+    small.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (small / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 384}))
+    text = "Counting: " + ", ".join(str(i) for i in range(1, 81))  # continues without an end
+    drafter = str(builtin_drafter("smollm2-135m-instruct"))
+
+    def generate(*extra):
+        assert main(["generate", "--target", str(small), "--raw", text, "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    ar = generate("--drafter", "none", "--max-tokens", "400")  # runs until the window stops it
+    room = ar["completion_tokens"]
+    assert ar["finish_reason"] == "length" and ar["prompt_tokens"] + room == 384 and room >= 24
+    tree = generate("--drafter", drafter, "--max-tokens", str(room))
+    chain = generate("--drafter", drafter, "--max-tokens", str(room), "--draft-tree", "none")
+    assert tree["token_ids"] == chain["token_ids"] == ar["token_ids"]
+    assert tree["draft_tree"] and "draft_tree" not in chain and tree["tau"] > 1 and chain["tau"] > 1
+    proc, base = start_server_process(drafter, "smol", target=str(small))
+    try:
+        body = {"model": "smol", "prompt": text, "max_tokens": room, "temperature": 0, "return_token_ids": True}
+        for n in (1, 2):
+            status, out, _ = post(base, "/v1/completions", {**body, "n": n})
+            assert status == 200, out
+            for choice in json.loads(out)["choices"]:
+                assert choice["token_ids"] == ar["token_ids"] and choice["finish_reason"] == "length"
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -37,6 +37,7 @@ def _wheel(version: str) -> Path:
     return found[0]
 
 
+@pytest.mark.network  # pip downloads each release's wheel once (cached under .cache/)
 @pytest.mark.parametrize("version", RELEASES)
 def test_sglang_release_has_every_name_dspine_uses(version):
     assert missing_names(_wheel(version)) == {}

@@ -1,11 +1,13 @@
-"""The pure parts of the SGLang-at-scale bench (dspine/sglang/scale.py) on the CPU: the shape folders SGLang
+"""The pure parts of the SGLang-at-scale bench (bench/experiments/shape_scale.py) on the CPU: the shape folders SGLang
 serves with random weights, the projection arithmetic and the summary section. The measurement itself runs on
-the H200 (bench/sglang_scale.py)."""
+the H200 (bench/experiments/sglang_scale.py)."""
 
 import gzip
 import json
 import math
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,10 @@ from transformers import AutoConfig, AutoTokenizer
 from dspine.checkpoint import config_from_json
 from dspine.config import ConfigError
 from dspine.sglang.export import sglang_weight_shapes
-from dspine.sglang.scale import (
+from dspine.target import DEFAULT_TARGET, resolve_target_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "experiments"))  # the lab, not the package
+from shape_scale import (
     PAPER_TAU,
     ScaleConfig,
     analyse,
@@ -27,7 +32,6 @@ from dspine.sglang.scale import (
     shape_config,
     write_shape,
 )
-from dspine.target import DEFAULT_TARGET, resolve_target_path
 
 
 def test_shape_folders_hold_the_8b_shape_with_the_builtin_tokenizer(tmp_path):
@@ -195,7 +199,7 @@ def test_kernel_times_read_a_real_profiler_trace(tmp_path):
 
 
 def test_flags_are_replaced_not_doubled_and_kernel_figures_follow_the_width_rule(tmp_path):
-    from dspine.sglang.scale import SCALE_FLAGS, _kernels, _with
+    from shape_scale import SCALE_FLAGS, _kernels, _with
 
     flags = _with(["--max-total-tokens", "131072", "--sleep-on-idle"], SCALE_FLAGS)
     assert flags.count("--max-total-tokens") == 1 and flags[1] == "32768"

@@ -41,7 +41,7 @@ from dspine.stats import tau_of
 from dspine.target import chat_template_ids
 
 # triton attention and torch sampling: FA3 and flashinfer's JIT are not on the H200 image (../shared/GPU.md; FA3 can be
-# carried: bench/sglang_scale_gpu.sh fa3, and bench/sglang_scale.py --attention-backend fa3)
+# carried: bench/experiments/sglang_scale_gpu.sh fa3, and bench/experiments/sglang_scale.py --attention-backend fa3)
 # decode CUDA graphs for batch 1, 2, 4, ..., 32 (6 captures instead of SGLang's 20); prefill graphs off (their
 # capture costs ~2 min per start, GPU.md). The servers of one run start side by side on one GPU (a start is
 # ~2 min of mostly CPU work, a run ~1 min), so the KV pool is capped by tokens (--max-total-tokens) instead of

@@ -10,28 +10,15 @@ so the draft CUDA graph captures the proposal together with the draft forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 import torch.nn as nn
 
 from dspine import kernels
 from dspine.config import ConfigError, from_dict
 from dspine.decoding import greedy_transition_walk, scores_table, top_candidates
-from dspine.drafter import DSPINE_SECTION, VARIANTS, Injection
+from dspine.drafter import VARIANTS, DSpineSection, Injection
 
-
-@dataclass
-class PluginConfig:
-    """`dspine_config` of an exported checkpoint (export.py writes it; unknown keys are an error)."""
-
-    method: str = "dspine"
-    transfer_rank: int = 256
-    message_size: int = 256
-    top_k: int = 8
-
-
-assert tuple(f.name for f in fields(PluginConfig)) == DSPINE_SECTION
+PluginConfig = DSpineSection  # `dspine_config` of an exported checkpoint (export.py writes it)
 
 
 def parse_dspine_config(hf_config) -> tuple[PluginConfig, list[int]]:

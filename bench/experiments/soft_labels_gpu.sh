@@ -5,8 +5,8 @@
 # Before: ../shared/tools/device-carry-target, and one call taking .carry/m1:
 #   mkdir -p /tmp/target && cp .carry/m1/* /tmp/target/
 # Then, back to back, each a call taking .carry/m2 and .carry/whl:
-#   bash bench/soft_labels_gpu.sh train S     regenerate (bf16), then train until S seconds after the call began
-#   bash bench/soft_labels_gpu.sh eval        the τ table to $OUT (acceptance.json / .md) and the train report
+#   bash bench/experiments/soft_labels_gpu.sh train S     regenerate (bf16), then train until S seconds after the call began
+#   bash bench/experiments/soft_labels_gpu.sh eval        the τ table to $OUT (acceptance.json / .md) and the train report
 set -euo pipefail
 t0=$(date +%s)
 [ -f /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || bash .carry/m2/join

@@ -4,29 +4,29 @@
 # moved out of the working tree (it and the target's half exceed the 64 MiB a call carries), and one call taking
 # .carry/m1:  mkdir -p /tmp/target && cp .carry/m1/* /tmp/target/
 # Then, back to back, each a call taking .carry/m2 and .carry/whl:
-#   bash bench/base_drafter_gpu.sh stage DIR       copy what an earlier run brought back (carried in DIR: data.tar.*,
+#   bash bench/experiments/base_drafter_gpu.sh stage DIR       copy what an earlier run brought back (carried in DIR: data.tar.*,
 #                                                  dspine.part*, dflash.part* and *_config.json) into place: the
 #                                                  packed data (regen then has nothing left to answer) and both
 #                                                  drafters to warm-start from (several calls when over 64 MiB)
-#   bash bench/base_drafter_gpu.sh regen S         regenerate (bf16) until S seconds after the call began, nothing
+#   bash bench/experiments/base_drafter_gpu.sh regen S         regenerate (bf16) until S seconds after the call began, nothing
 #                                                  else; what it answered comes back as data.tar.* (a device lent
 #                                                  too briefly to train still advances the data: `stage` it next
 #                                                  time and regeneration goes on from there)
-#   bash bench/base_drafter_gpu.sh start S [MORE]  regenerate (bf16) what is not there yet (the new pools of
+#   bash bench/experiments/base_drafter_gpu.sh start S [MORE]  regenerate (bf16) what is not there yet (the new pools of
 #                                                  the recipe's added_workload too), pick the batch size
 #                                                  (bench/train_step.py --pick; BS=N skips it), then train until
 #                                                  S seconds after the call began — from the staged drafters'
 #                                                  weights when there are both; the cosine spans this call's
 #                                                  training + MORE seconds
-#   bash bench/base_drafter_gpu.sh more S          resume training until S seconds after the call began
-#   bash bench/base_drafter_gpu.sh eval            the 7-benchmark τ table (T = 0 and 1, DSpine vs DFlash) to $OUT,
+#   bash bench/experiments/base_drafter_gpu.sh more S          resume training until S seconds after the call began
+#   bash bench/experiments/base_drafter_gpu.sh eval            the 7-benchmark τ table (T = 0 and 1, DSpine vs DFlash) to $OUT,
 #                                                  the DSpine drafter in the shipped format in 15 MB pieces;
 #                                                  TREE=SPEC adds both drafters decoded through that draft tree
 #                                                  (rows dspine_t, dflash_t; ~1.6x the eval's time), e.g. session
 #                                                  28's T = 0 pick (bench/results/tree_profile_t0.md, 32 nodes)
-#   bash bench/base_drafter_gpu.sh back dflash     the DFlash twin (shipped format) and the packed data in 15 MB
+#   bash bench/experiments/base_drafter_gpu.sh back dflash     the DFlash twin (shipped format) and the packed data in 15 MB
 #                                                  pieces, for the next run's `stage` (the lockstep continues)
-#   bash bench/base_drafter_gpu.sh back dspine     the DSpine drafter likewise (a run that skips `eval`)
+#   bash bench/experiments/base_drafter_gpu.sh back dspine     the DSpine drafter likewise (a run that skips `eval`)
 #   `back` ships each method's best checkpoint (by held-out τ_sim), WHICH=last the pair where training stopped.
 # A cosine across sessions: BUDGET=S (the whole schedule's training seconds) for `start`; this session trains part
 # of it and `back` (WHICH=last) brings the pair home; the next session stages it and starts with the same BUDGET

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# bench/sglang_scale.py on one H200 in device calls of at most 10 minutes. Here, first:
+# bench/experiments/sglang_scale.py on one H200 in device calls of at most 10 minutes. Here, first:
 #   bash ../shared/tools/device-carry-sglang        -> .carry/sgl1 .. sgl3 (SGLang 0.5.17, trimmed)
-#   bash bench/sglang_scale_gpu.sh tok              -> .carry/tok: the built-in tokenizer's files and the kernel JSONs
+#   bash bench/experiments/sglang_scale_gpu.sh tok              -> .carry/tok: the built-in tokenizer's files and the kernel JSONs
 # and move the shipped drafter and workloads/data/office out of the working tree (git update-index --skip-worktree,
 # then remove; restore after) so a call's tree + carry stays under 64 MiB. Then, back to back (the machine goes
 # back 30 s after a call; /tmp survives while it is warm):
 #   1 carry .carry/sgl1, 2 carry .carry/sgl2:  mkdir -p /tmp/sglwhl && cp .carry/sglK/*.whl /tmp/sglwhl/
 #   3.. carry .carry/sgl3 + .carry/tok, DSPINE_GIT_SHA exported:
-#   bash bench/sglang_scale_gpu.sh pre                 GPU kernel tests + bench/kernels.py at 4096 (-> /tmp/scale)
-#   bash bench/sglang_scale_gpu.sh SHAPE LIMIT ARGS..  bench/sglang_scale.py --shape SHAPE under LIMIT seconds, the
+#   bash bench/experiments/sglang_scale_gpu.sh pre                 GPU kernel tests + bench/kernels.py at 4096 (-> /tmp/scale)
+#   bash bench/experiments/sglang_scale_gpu.sh SHAPE LIMIT ARGS..  bench/experiments/sglang_scale.py --shape SHAPE under LIMIT seconds, the
 #                                                      ARGS added (e.g. --taus 2,3,4.8 --group 3 --profile 2 --out
 #                                                      /tmp/scale/sglang_scale.json: a rerun skips what is measured)
 # The first call of 3.. installs the wheels into /tmp/site and writes the plugin's entry-point record. JSON, MD and
 # the servers' log tails come back in $OUT.
 # FA3 (--attention-backend fa3; the carried sgl_kernel lacks flash_ops.abi3.so, 1.1 GB): here
-#   bash bench/sglang_scale_gpu.sh fa3 MIB1 MIB2 ..  -> .carry/fa3p1 .. fa3pN: the .so zstd-compressed, split into
+#   bash bench/experiments/sglang_scale_gpu.sh fa3 MIB1 MIB2 ..  -> .carry/fa3p1 .. fa3pN: the .so zstd-compressed, split into
 #                                                      parts of those MiB (the rest in the last part, with the
 #                                                      zstandard wheel and the .so's sha256)
 # and there, each part carried once (beside sgl1/sgl2 or alone): mkdir -p /tmp/fa3 && cp .carry/fa3pK/* /tmp/fa3/
@@ -93,7 +93,7 @@ K=.carry/tok/kernels_$shape.json
 [ -f /tmp/scale/kernels_$shape.json ] && K=/tmp/scale/kernels_$shape.json
 export PYTHONPATH=/tmp/site:$PWD
 [ -f /tmp/scale/summary.json ] || cp bench/results/summary.json /tmp/scale/summary.json
-timeout "$limit" python3 bench/sglang_scale.py --shape "$shape" --tokenizer .carry/tok --work /tmp/scale \
+timeout "$limit" python3 bench/experiments/sglang_scale.py --shape "$shape" --tokenizer .carry/tok --work /tmp/scale \
   --no-progress --kernels "$K" --summary /tmp/scale/summary.json "$@"
 echo "bench rc=$?"
 mkdir -p "$OUT"/logs

@@ -3,24 +3,24 @@
 # held-out episodes): the shipped drafter fine-tuned on collected agent traces in several variants side by side
 # (adapt/finetune.py, in-process: the machine has no Ray), each replayed through the engine by adapt/evaluate.py.
 # Before, here: the traces packed into .carry/traces (tar c -C DIR traces | split -b 15000000 -d - .carry/traces/traces.tar.,
-# DIR holding the collection as traces/ — what `collect` brings back), the target as in bench/base_drafter_gpu.sh
+# DIR holding the collection as traces/ — what `collect` brings back), the target as in bench/experiments/base_drafter_gpu.sh
 # (device-carry-target: .carry/m1, m2, whl), and the shipped drafter taken to /tmp in the first call, before it is
 # moved out of the working tree (calls of at most 64 MiB each, back to back: the machine goes back 30 s after one):
-#   1 (working tree as is)        bash bench/adapt_gpu.sh drafter
+#   1 (working tree as is)        bash bench/experiments/adapt_gpu.sh drafter
 #   2 (carry .carry/m1)           mkdir -p /tmp/target && cp .carry/m1/* /tmp/target/
 #   3 (carry .carry/traces, .carry/mix)
-#                                 bash bench/adapt_gpu.sh traces     (.carry/mix: regenerated general data, packed
-#                                 as bench/base_drafter_gpu.sh brings it back — data.tar.*, mixed in by the variants
+#                                 bash bench/experiments/adapt_gpu.sh traces     (.carry/mix: regenerated general data, packed
+#                                 as bench/experiments/base_drafter_gpu.sh brings it back — data.tar.*, mixed in by the variants
 #                                 that name $mix, to hold the general benchmarks)
 #   4 (carry .carry/m2, .carry/whl)
-#                                 bash bench/adapt_gpu.sh run S [VARIANT ...]      (again for more variants)
+#                                 bash bench/experiments/adapt_gpu.sh run S [VARIANT ...]      (again for more variants)
 # Collecting the traces there instead (the agents against `dspine serve` on the GPU; this 2-core machine manages
 # about one episode a minute): after 1 and 2, a call carrying .carry/agentwhl (the serving and agent packages as
 # py3.12 wheels: fastapi, uvicorn, pydantic, litellm, openai + httpx2, mini-swe-agent, python-docx, openpyxl and
 # their needs; the machine has no Ray, so episodes run in local worker processes) runs
-#   bash bench/adapt_gpu.sh wheels
+#   bash bench/experiments/adapt_gpu.sh wheels
 # then one carrying .carry/m2 and .carry/whl:
-#   bash bench/adapt_gpu.sh collect S [EPISODES] [CONCURRENCY]     swe, tool, office × low, high; traces to $OUT
+#   bash bench/experiments/adapt_gpu.sh collect S [EPISODES] [CONCURRENCY]     swe, tool, office × low, high; traces to $OUT
 # and `run` finds them in /tmp/adapt/traces (step 3 is then skipped).
 # `run` trains the variants one after another, each for TRAIN_S seconds (default 60), evaluates each (held-out
 # rows of every cell replayed EVAL_BATCH at a time, at most MAX_ROWS of them, 0: all; the seven benchmarks at LIMIT

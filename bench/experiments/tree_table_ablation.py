@@ -3,14 +3,14 @@ one tree twice — nodes ranked by the transition table after their parent's tok
 slot's own logits (what a drafter without the table, e.g. DFlash, does; here the same weights with the table
 switched off) — at T = 0 on the 7 benchmarks (fp32 engine, 10 items, 96 tokens; one process).
 
-    python bench/tree_table_ablation.py [--tree SPEC] [--out bench/results/tree_table_ablation.json]
+    python bench/experiments/tree_table_ablation.py [--tree SPEC] [--out bench/results/tree_table_ablation.json]
 """
 
 import argparse
 import sys
 
 from dspine.checkpoint import load_models, resolve_drafter
-from dspine.cli import GPU_DRAFT_TREE  # tree_profile_t0.md's 32-node pick
+from dspine.engine import GPU_DRAFT_TREE  # tree_profile_t0.md's 32-node pick
 from dspine.eval.acceptance import evaluate, markdown_table, write_results
 from dspine.workloads import BENCHMARKS
 

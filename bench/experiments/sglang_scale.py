@@ -2,7 +2,7 @@
 target of a Qwen3-8B / Qwen3-4B shape (or a config file) with random weights, at forced acceptance lengths.
 
     python bench/kernels.py --hidden 4096 --batches 1 --dtypes bfloat16 --out /tmp/k8b.json
-    python bench/sglang_scale.py --shape qwen3-8b --kernels /tmp/k8b.json \\
+    python bench/experiments/sglang_scale.py --shape qwen3-8b --kernels /tmp/k8b.json \\
         --out bench/results/sglang_scale.json --summary bench/results/summary.json
 
 Each server decodes exactly --max-new-tokens per request at concurrencies 1, 4, 16, 32; SGLANG_SIMULATE_ACC_LEN
@@ -10,7 +10,7 @@ forces the accepted length of every round (τ), so round costs are real measurem
 With --profile N, DSpine's GPU kernels per round are set against DFlash's (SGLang's own profiler). Results
 accumulate per shape in --out (a rerun skips the variants already measured with the same settings),
 with a Markdown table beside it and the `speed_scale` section of --summary. The projection uses the real
-target's τ from --summary's `acceptance` section and the paper's Qwen3-8B τ. See dspine/sglang/scale.py.
+target's τ from --summary's `acceptance` section and the paper's Qwen3-8B τ. See bench/experiments/shape_scale.py.
 """
 
 import argparse
@@ -18,9 +18,10 @@ import json
 import sys
 from pathlib import Path
 
+from shape_scale import SHAPES, ScaleConfig, run_scale  # beside this script
+
 from dspine.config import ConfigError
 from dspine.io import comma_ints
-from dspine.sglang.scale import SHAPES, ScaleConfig, run_scale
 
 
 def floats(s: str) -> list[float]:

@@ -1,5 +1,5 @@
 """DSpine in SGLang at the size users serve: AR, DFlash and DSpine (the dspine plugin) on a target of a chosen
-shape — Qwen3-8B, Qwen3-4B or a config file — at forced acceptance lengths (`bench/sglang_scale.py`).
+shape — Qwen3-8B, Qwen3-4B or a config file — at forced acceptance lengths (`bench/experiments/sglang_scale.py`).
 
 No weights of that size exist offline and none are needed for timing:
 - SGLang builds the target and both drafters from their configs with random weights (`--load-format dummy`
@@ -294,7 +294,7 @@ def profile_rounds(srv, prompts, requests: int, max_new_tokens: int, folder: Pat
 
 @dataclass
 class ScaleConfig:
-    """What `bench/sglang_scale.py` asks for."""
+    """What `bench/experiments/sglang_scale.py` asks for."""
 
     shape: str = "qwen3-8b"
     taus: list[float] = field(default_factory=lambda: [2.0, 3.0, 4.8])

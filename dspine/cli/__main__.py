@@ -1,0 +1,5 @@
+import sys
+
+from dspine.cli import main
+
+sys.exit(main())

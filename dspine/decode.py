@@ -1,0 +1,587 @@
+"""The decode loop: every request, alone or batched, decodes through `BatchDecode.step`, one round function.
+
+Per row the state is: committed tokens; the target's KV cache holding every committed position but the last (the
+anchor, fed with the next block); the drafter's context K/V for the same positions. A round drafts from [anchor,
+mask...] — a chain of k drafts, a draft tree (a single open request, decoding.DraftTree) or nothing (an AR round) —,
+verifies [anchor, drafts] in one target forward (a tree under its tree mask), commits the accepted drafts plus the
+target's own next token, keeps the committed positions' cache entries and appends their target features to the
+drafter's context. Every committed token passes through one stop checker (EOS, max tokens, stop strings), so
+speculative and AR outputs end exactly alike.
+
+The context window is decided once: a row whose next token would sit past the target's window ends with
+"length"; a round whose drafter slots would reach past it for any open row is an AR round — every request runs
+to the window's last position, whichever entry point decodes it (`Engine.generate` is a one-row batch).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from dspine.decoding import DraftTree, propose, propose_tree
+from dspine.drafter import DSpineDraftModel, block_attention_mask
+from dspine.sampling import RequestError, SamplingParams, penalize, warp_probs
+from dspine.stats import AcceptanceStats
+from dspine.target import Target
+from dspine.verify import verify_chain, verify_forced, verify_tree_greedy, verify_tree_sampled
+
+if TYPE_CHECKING:
+    from dspine.engine import Engine
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    method: str
+    stats: AcceptanceStats | None = None
+    seconds: float = 0.0
+    timings: dict = field(default_factory=dict)
+    batch_size: int = 1  # the most rows decoded together with this one
+    # with params.logprobs: per token, (its log-probability, [(token id, log-probability)] of the top k)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Stopper:
+    """Appends tokens one at a time and decides when generation ends, identically for every method."""
+
+    def __init__(self, target: Target, params: SamplingParams, on_token=None):
+        self.target, self.params, self.on_token = target, params, on_token
+        self.eos = set() if params.ignore_eos else target.eos_token_ids
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.text: str | None = None
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+
+    def push(self, tok: int, logprob=None) -> bool:
+        if tok in self.eos:
+            self.finish_reason = "stop"
+            return True
+        self.tokens.append(tok)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        if self.params.stop:
+            text = self.target.decode(self.tokens)
+            hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+            if hits:
+                self.text, self.finish_reason = text[: min(hits)], "stop"
+                return True
+        # after the stop-string check, so a stream never shows the stop string
+        if self.on_token is not None and self.on_token(tok) is False:  # the client went away
+            self.finish_reason = "abort"
+            return True
+        if len(self.tokens) >= self.params.max_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def result_text(self) -> str:
+        return self.text if self.text is not None else self.target.decode(self.tokens)
+
+
+class PhaseClock:
+    """Seconds per phase of a batch's rounds (prefill, draft, propose, verify, commit, ar_step), the device
+    synchronised at each boundary (off: no cost)."""
+
+    def __init__(self, device: torch.device, on: bool):
+        self.on, self.cuda = on, device.type == "cuda"
+        self.totals: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if not self.on:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - self._t
+        self._t = now
+
+
+def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return gen
+
+
+class TreeProfile:
+    """How often each node of the engine's draft tree was accepted, over its tree rounds (`DraftTree.prune`
+    turns the rates into a smaller tree)."""
+
+    def __init__(self, nodes: int):
+        self.accepted, self.rounds = [0] * nodes, 0
+
+    def record(self, path: list[int]) -> None:
+        self.rounds += 1
+        for i in path:
+            self.accepted[i] += 1
+
+    @property
+    def rates(self) -> list[float]:
+        return [a / max(self.rounds, 1) for a in self.accepted]
+
+
+class DraftContext:
+    """The drafter's per-layer context K/V for committed positions (grows; block K/V are never kept). Features
+    extended `lazy` (rounds that do not draft) wait, and are projected in one call when `kv` is next read — by
+    the drafter, or to move the columns — so a batch that decodes AR for a while pays nothing per round."""
+
+    def __init__(self, drafter: DSpineDraftModel):
+        self.drafter = drafter
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._waiting: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def extend(self, feats: torch.Tensor, pos: torch.Tensor, lazy: bool = False) -> None:
+        """feats (N, n, m*d), pos (N, n)."""
+        self._waiting.append((feats, pos))
+        if not lazy:
+            self.project()
+
+    def project(self) -> None:
+        """Project the waiting columns now."""
+        if not self._waiting:
+            return
+        feats, pos = (torch.cat(x, 1) for x in zip(*self._waiting))
+        self._waiting = []
+        new = self.drafter.context_kv(feats, pos)
+        if self._kv is None:
+            self._kv = new
+        else:
+            self._kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self._kv, new)]
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer (k, v) each (N, Hkv, C, hd), every extended column included."""
+        self.project()
+        return self._kv
+
+    @kv.setter
+    def kv(self, value: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self._waiting:
+            raise RuntimeError("the context's waiting columns must be projected before its K/V are replaced")
+        self._kv = value
+
+
+_PREFILL_MIN = 32  # a prompt shorter than this costs a forward about what one of this length does (weights stream)
+
+
+def _prefill(tgt: Target, ids: list[list[int]], layer_ids):
+    """Prompts -> (target cache, valid (N, L), logits at each prompt's last token (N, V), the layer features
+    (N, L, F) or None). One forward over the prompts padded to the longest, or, where that padding would cost
+    more than the extra forwards, one forward per prompt and the caches padded together with masked columns."""
+    N, lens, dev = len(ids), [len(x) for x in ids], tgt.device
+    L = max(lens)
+    valid = torch.arange(L, device=dev)[None] < torch.tensor(lens, device=dev)[:, None]
+    last = torch.tensor(lens, device=dev) - 1
+    if N == 1 or sum(max(n, _PREFILL_MIN) for n in lens) >= N * L:
+        cache, pos = tgt.new_cache(), torch.arange(L, device=dev).expand(N, L)
+        inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
+        logits, feats = tgt.forward(inp, cache, layer_ids, valid.long(), pos, logits_at=last)
+        return cache, valid, logits[:, 0], feats
+    caches, logits, feats = [], [], []
+    for x, at in zip(ids, last):
+        caches.append(tgt.new_cache())
+        lg, ft = tgt.forward(torch.tensor([x], device=dev), caches[-1], layer_ids, logits_at=at[None])
+        logits.append(lg[:, 0])
+        feats.append(ft)
+    feats = torch.cat([_pad_columns(f, L) for f in feats]) if layer_ids is not None else None
+    return _stack_caches(caches, L), valid, torch.cat(logits), feats
+
+
+def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t (..., C, x) -> (..., width, x), zeros after: a cache's or a feature tensor's columns (masked)."""
+    return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[-2]))
+
+
+def _stack_caches(caches: list, width: int):
+    """Target caches of rows side by side -> the first, holding every row (layers' (N, H, C, hd)), each
+    padded to `width` columns."""
+    first = caches[0]
+    for j, layer in enumerate(first.layers):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = torch.cat([_pad_columns(c.layers[j].keys, width) for c in caches])
+            layer.values = torch.cat([_pad_columns(c.layers[j].values, width) for c in caches])
+    return first
+
+
+def _logprob(raw: torch.Tensor, tok: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """raw logits (V,) -> (log p(tok), the top k as (id, log p)) of the target's own distribution."""
+    lsm = raw.float().log_softmax(-1)
+    top = lsm.topk(k) if k else None
+    return float(lsm[tok]), (list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
+
+
+@dataclass
+class _Round:
+    """What a round feeds the target: tokens (N, n), positions (N, n), the attention mask (None: causal over the
+    whole cache) and the drafts — a chain's Proposal, or a tree's node tokens and proposals."""
+
+    feed: torch.Tensor
+    pos: torch.Tensor
+    att: torch.Tensor | None
+    prop: object = None  # decoding.Proposal of a chain round
+    tree: DraftTree | None = None
+    nodes: list[int] | None = None  # a tree round's node tokens
+    q: list | None = None  # their proposals (sampling)
+
+
+class BatchDecode:
+    """A batch of requests decoded round by round: `step()` runs one round for every row, so a scheduler can
+    interleave several batches and move rows in and out between rounds.
+
+    Rows advance by different amounts: each row's target KV cache and drafter context keep the positions fed
+    up to the longest acceptance of the round (the rest is cropped), and one validity mask (N, columns) hides
+    what a row did not commit (prompt padding, rejected drafts, another row's columns); positions are passed
+    explicitly (committed tokens so far). A batch of one row thus keeps only what it committed (`dense`: no
+    mask is needed). Keys carry their positions (RoPE), so a row's columns may sit anywhere: that is what
+    lets rows leave (`pop_finished`: finished rows' results out, their state dropped), join (`merge`: another
+    batch, prefilled apart, padded to the wider of the two with masked columns) and be squeezed (`compact`:
+    every row's committed columns moved to the front, the columns no row needs cut).
+
+    `params` is one SamplingParams or one per row: rows may differ in max_tokens, stop, ignore_eos, penalties
+    and logprobs, not in how tokens are drawn (temperature, top-k, top-p; one generator, seeded from the first
+    row). Penalties apply to the target's logits at every verify position as AR would have applied them after
+    the drafts before it (sampling.penalize), so decoding stays AR's. Logprobs are the target's raw
+    distribution (before temperature, top-k/p and penalties). `on_tokens[i]` sees row i's tokens as they are
+    committed (False aborts that row); `tags[i]` names row i in what pop_finished returns (default: i).
+    `forced[i]` (a list of token ids, or None) makes row i a replay of that text: another engine's greedy
+    output stands in for the target's choices — drafts are accepted while they match it and its next token is
+    committed — so a drafter's τ is measured on exactly that text (greedy only; ends where the text ends).
+    `profile`: each result's `timings` holds the batch's seconds per phase (PhaseClock), the device synchronised
+    at each boundary — slower, for benchmarks only."""
+
+    _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished", "forced", "accept")  # per row
+
+    @torch.no_grad()
+    def __init__(
+        self,
+        engine: Engine,
+        prompts: list,
+        params=None,
+        on_tokens: list | None = None,
+        tags=None,
+        forced=None,
+        profile: bool = False,
+    ):
+        per_row = params if isinstance(params, list) else [params] * len(prompts)
+        rows = [(p or SamplingParams()).validate() for p in per_row]
+        self.forced = list(forced) if forced is not None else [None] * len(prompts)
+        for i, f in enumerate(self.forced):
+            if f is not None:
+                if not rows[i].greedy or not f:
+                    raise RequestError("a forced continuation needs greedy decoding and at least one token")
+                rows[i] = SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=rows[i].ignore_eos)
+        self.params = params = rows[0]
+        if any(self._draw(r) != self._draw(params) for r in rows):
+            raise ValueError("rows of one batch must share temperature, top_k and top_p")
+        self.engine, self.drafter = engine, engine.drafter
+        tgt, dev, drafter = engine.target, engine.target.device, engine.drafter
+        ids = [engine.prompt_ids(p) for p in prompts]
+        N, self.lens = len(ids), [len(x) for x in ids]
+        self.clock = PhaseClock(dev, profile)
+        self.tags = list(tags) if tags is not None else list(range(N))
+        self.peak = [N] * N
+        self.gen = new_generator(dev, params.seed)
+        self.t0 = [time.perf_counter()] * N
+        self.layer_ids = drafter.config.target_layer_ids if drafter is not None else None
+        self.B = drafter.config.block_size if drafter is not None else 1
+        self.stats = [AcceptanceStats(self.B) if drafter is not None else None for _ in range(N)]
+        self.accept = [engine.policy.new_row() if engine.policy is not None else None for _ in range(N)]
+        self.stops = [Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
+        V = tgt.info.vocab_size
+        self.counts = torch.zeros(N, V, device=dev) if any(r.penalized for r in rows) else None  # output tokens
+        self.cache, self.valid, last, feats = _prefill(tgt, ids, self.layer_ids)  # valid (N, L)
+        self.dense = N == 1  # every cache column committed: rounds need no mask
+        pos = torch.arange(self.width, device=dev).expand(N, -1)
+        self.committed = torch.tensor(self.lens, device=dev)  # tokens each row has in its cache = the anchor's position
+        self.anchors = [
+            engine.pick(last[i], params, self.gen) if f is None else int(f[0]) for i, f in enumerate(self.forced)
+        ]
+        self.finished = [self._push(i, a, last[i]) for i, a in enumerate(self.anchors)]
+        self.ctx = None
+        if drafter is not None:
+            self.ctx = DraftContext(drafter)
+            self.ctx.extend(feats, pos)
+        self.clock.lap("prefill")
+
+    @staticmethod
+    def _draw(p: SamplingParams):
+        return p.temperature, p.top_k, p.top_p
+
+    def __len__(self) -> int:
+        return len(self.tags)
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    @property
+    def width(self) -> int:
+        return self.valid.shape[1]
+
+    def _push(self, i: int, tok: int, raw: torch.Tensor) -> bool:
+        """Commit `tok` to row i; raw (V,): the target's logits it was chosen from."""
+        stop = self.stops[i]
+        lp = _logprob(raw, tok, stop.params.logprobs) if stop.params.logprobs is not None else None
+        if self.counts is not None:
+            self.counts[i, tok] += 1
+        return stop.push(tok, lp)
+
+    # ---- the round -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """One round for every open row (a no-op once all rows are done): plan, draft, verify, commit."""
+        if self.done:
+            return
+        self._end_at_window()
+        if self.done:
+            return
+        tree, k = self._plan()
+        t_round = time.perf_counter()
+        rnd = self._draft(tree, k)
+        drafting = tree is not None or k > 0
+        logits, feats = self.engine.target.forward(rnd.feed, self.cache, self.layer_ids, rnd.att, rnd.pos)
+        if drafting:
+            self.clock.lap("verify")
+        if tree is not None:
+            self._commit_tree(rnd, logits, feats)
+        else:
+            self._commit_chain(rnd, logits, feats, k, time.perf_counter() - t_round)
+        self.clock.lap("commit" if drafting else "ar_step")  # acceptance test, cache, drafter context, stop checks
+
+    def _end_at_window(self) -> None:
+        """Rows whose next token would sit past the target's window end with "length"."""
+        edge = (self.committed + 1 >= self.engine.max_positions).tolist()
+        for i, e in enumerate(edge):
+            if e and not self.finished[i]:
+                self.stops[i].finish_reason, self.finished[i] = "length", True
+
+    def _plan(self) -> tuple[DraftTree | None, int]:
+        """This round's drafts: (the engine's tree, 0) for a single open request that may use it, else (None, k) —
+        k drafts in a chain, 0 for an AR round (no drafter, a batch over `spec_max_batch`, the goodput policy's
+        choice, or drafter slots that would reach past the window for some open row)."""
+        engine = self.engine
+        if self.drafter is None:
+            return None, 0
+        open_rows = [i for i, f in enumerate(self.finished) if not f]
+        if engine.spec_max_batch is not None and len(open_rows) > engine.spec_max_batch:
+            return None, 0
+        tree = None
+        if engine.tree is not None and len(self) == 1 and self.counts is None and self.forced[0] is None:
+            tree, k, slots = engine.tree, 0, engine.tree.depth + 1
+        else:
+            k = engine.draft_len
+            if engine.policy is not None:
+                k = engine.policy.choose([self.accept[i] for i in open_rows], len(self))
+            slots = engine.draft_block - engine.draft_len + k
+        if (tree is None and k == 0) or int(self.committed[open_rows].max()) + slots > engine.max_positions:
+            return None, 0
+        self.ctx.project()  # columns waiting from AR rounds: their cost is not this round's
+        return tree, k
+
+    def _draft(self, tree: DraftTree | None, k: int) -> _Round:
+        """The drafter's forward and proposal (none for an AR round) -> what the target verifies."""
+        drafter, dev, N = self.drafter, self.valid.device, len(self)
+        anchor = torch.tensor(self.anchors, device=dev)[:, None]
+        ones = lambda n: self.valid.new_ones(N, n)
+        if tree is None and k == 0:
+            att = None if self.dense else torch.cat([self.valid, ones(1)], 1).long()
+            return _Round(anchor, self.committed[:, None], att)
+        slots = tree.depth + 1 if tree is not None else self.engine.draft_block - self.engine.draft_len + k
+        pos = self.committed[:, None] + torch.arange(slots, device=dev)  # (N, slots)
+        mask = None if self.dense else block_attention_mask(self.valid[:, None], slots, drafter.config.is_causal)
+        out = drafter(drafter.block_inputs(anchor, slots), pos[:, None], self.ctx.kv, mask)
+        self.clock.lap("draft")
+        if tree is not None:
+            nodes, q = propose_tree(drafter, out, tree, self.params, self.gen)
+            n, W = len(nodes), self.width
+            att = torch.ones(1, 1, n + 1, W + n + 1, dtype=torch.bool, device=dev)
+            att[0, 0, :, :W] = self.valid[0]
+            att[0, 0, :, W:] = tree.mask.to(dev)
+            feed = torch.tensor([[self.anchors[0], *nodes]], device=dev)
+            rnd = _Round(feed, self.committed[:, None] + tree.depths.to(dev)[None], att, tree=tree, nodes=nodes, q=q)
+        else:
+            prop = propose(drafter, out, self.params, self.gen, k)
+            att = None if self.dense else torch.cat([self.valid, ones(k + 1)], 1).long()
+            rnd = _Round(torch.cat([anchor, prop.tokens], 1), pos[:, : k + 1], att, prop=prop)
+        self.clock.lap("propose")
+        return rnd
+
+    def _commit_tree(self, rnd: _Round, logits: torch.Tensor, feats) -> None:
+        """A single row's tree round: the accepted path's cache entries kept behind the committed columns (the
+        rest dropped, in the cache and in the drafter's context), its tokens committed."""
+        tree, nodes, tgt = rnd.tree, rnd.nodes, self.engine.target
+        if self.params.greedy:
+            path, nxt = verify_tree_greedy(nodes, tree.parents, logits[0])
+        else:
+            path, nxt = verify_tree_sampled(nodes, rnd.q, tree.parents, warp_probs(logits[0], self.params), self.gen)
+        kept = [0] + [i + 1 for i in path]
+        tgt.keep_cache(self.cache, self.width, kept)
+        self.ctx.extend(feats[:, kept], rnd.pos[:, kept])
+        toks = [nodes[i] for i in path] + [nxt]
+        self.engine.tree_profile.record(path)
+        self.valid = torch.cat([self.valid, self.valid.new_ones(1, len(toks))], 1)
+        self.committed = self.committed + len(toks)
+        self.stats[0].record(len(path))
+        raw = logits[0, kept]
+        self.finished[0] = any(self._push(0, tok, raw[j]) for j, tok in enumerate(toks))
+        self.anchors[0] = toks[-1]
+
+    def _commit_chain(self, rnd: _Round, logits: torch.Tensor, feats, k: int, seconds: float) -> None:
+        """A chain (or AR) round for every row: each row's accepted prefix kept, masked per row; columns no row
+        accepted are cropped away."""
+        engine, tgt, prop, dev, N = self.engine, self.engine.target, rnd.prop, self.valid.device, len(self)
+        chosen = self._penalized(logits, prop)  # what tokens are chosen from
+        if prop is not None:
+            n_acc, nxt = verify_chain(prop, chosen, self.params, self.gen)
+        else:
+            n_acc = torch.zeros(N, dtype=torch.long, device=dev)
+            nxt = torch.tensor([engine.pick(chosen[i, -1], self.params, self.gen) for i in range(N)], device=dev)
+        if any(f is not None for f in self.forced):
+            n_acc, nxt = self._forced_verdicts(n_acc, nxt, prop)
+        m = int(n_acc.max()) + 1
+        tgt.crop_cache(self.cache, self.width + m)
+        kept = torch.arange(m, device=dev)[None] <= n_acc[:, None]  # (N, m); all True in a dense batch
+        self.valid = torch.cat([self.valid, kept], 1)
+        if self.drafter is not None:  # an AR round's token too (projected when drafting resumes)
+            self.ctx.extend(feats[:, :m], rnd.pos[:, :m], lazy=prop is None)
+        self.committed = self.committed + n_acc + 1
+        if engine.policy is not None:
+            self._observe(k, n_acc, rnd.feed.shape[1], seconds)
+        self._commit(n_acc, nxt, prop, logits)
+        if not self.dense:
+            self.compact()  # rows that accepted less than the round's longest leave masked holes
+
+    def _observe(self, k: int, n_acc: torch.Tensor, width: int, seconds: float) -> None:
+        """The policy learns the round: each open row's acceptance of its k drafts, the round's cost."""
+        policy = self.engine.policy
+        if k:
+            for i in [i for i, f in enumerate(self.finished) if not f]:
+                policy.record(self.accept[i], k, int(n_acc[i]))
+        policy.observe(len(self) * width, k > 0, seconds, (len(self), k))
+
+    def _forced_verdicts(self, n_acc: torch.Tensor, nxt: torch.Tensor, prop):
+        """The forced rows' (accepted, next) replaced by the match of their drafts against their given text."""
+        n_list, nxt_list = n_acc.tolist(), nxt.tolist()
+        for i, f in enumerate(self.forced):
+            if f is None or self.finished[i]:
+                continue
+            ahead = f[len(self.stops[i].tokens) :]  # the text after the anchor
+            if prop is None:
+                n_list[i], nxt_list[i] = 0, ahead[0] if ahead else nxt_list[i]
+            else:
+                n, t = verify_forced(prop.tokens[i : i + 1], ahead)
+                n_list[i], nxt_list[i] = int(n[0]), int(t[0])
+        return n_acc.new_tensor(n_list), nxt.new_tensor(nxt_list)
+
+    def _penalized(self, logits: torch.Tensor, prop) -> torch.Tensor:
+        """logits (N, W, V) -> a copy penalized for the rows that ask for it (the same tensor when none do)."""
+        if self.counts is None:
+            return logits
+        chosen = logits.clone()
+        for i, stop in enumerate(self.stops):
+            if stop.params.penalized and not self.finished[i]:
+                drafts = prop.tokens[i] if prop is not None else self.committed.new_empty(0)
+                chosen[i] = penalize(logits[i], self.counts[i], drafts, stop.params)
+        return chosen
+
+    def _commit(self, n_acc: torch.Tensor, nxt: torch.Tensor, prop, logits: torch.Tensor) -> None:
+        """Each open row's accepted drafts and next token through its stopper (logits (N, W, V): raw)."""
+        for i in range(len(self)):
+            if self.finished[i]:
+                continue
+            n = int(n_acc[i])
+            if self.stats[i] is not None and prop is not None:  # rounds that drafted
+                self.stats[i].record(n)
+            for j, tok in enumerate((prop.tokens[i, :n].tolist() if prop is not None else []) + [int(nxt[i])]):
+                if self._push(i, tok, logits[i, j]):
+                    self.finished[i] = True
+                    break
+            self.anchors[i] = int(nxt[i])
+
+    # ---- rows in and out ---------------------------------------------------------------------------------
+    def _map_rows(self, fn) -> None:
+        """Apply fn to every per-row tensor of the state: target cache and drafter context (N, H, C, hd)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+        if self.ctx is not None:
+            self.ctx.kv = [(fn(k), fn(v)) for k, v in self.ctx.kv]
+
+    def pop_finished(self) -> list[tuple]:
+        """-> [(tag, GenerationResult)] of the rows that have finished; their state leaves the batch."""
+        done = [i for i, f in enumerate(self.finished) if f]
+        if not done:
+            return []
+        out = [(self.tags[i], self._result(i)) for i in done]
+        keep = [i for i, f in enumerate(self.finished) if not f]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.valid.device)
+        for name in self._ROW_LISTS:
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        self.valid, self.committed = self.valid[idx], self.committed[idx]
+        if self.counts is not None:
+            self.counts = self.counts[idx]
+        self._map_rows(lambda t: t[idx])
+        if keep:
+            self.compact()
+        self.dense = len(keep) == 1 and bool(self.valid.all())
+        return out
+
+    def compact(self, slack: float = 1.25) -> None:
+        """Move every row's committed columns to the front and cut the rest, once the cache is wider than
+        `slack` × its fullest row (+ 16)."""
+        need = int(self.valid.sum(1).max())
+        if self.width <= slack * need + 16:
+            return
+        order = (~self.valid).to(torch.int8).argsort(dim=1, stable=True)[:, :need]  # (N, need): valid first
+        self.valid = self.valid.gather(1, order)
+        self._map_rows(lambda t: t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], need, t.shape[3])))
+
+    def can_merge(self, other: BatchDecode) -> bool:
+        return other.engine is self.engine and self._draw(other.params) == self._draw(self.params)
+
+    def merge(self, other: BatchDecode) -> None:
+        """Take other's rows into this batch (same engine, same way of drawing tokens; other is consumed). The
+        narrower cache is padded with masked columns; this batch's generator keeps drawing for all rows."""
+        if not self.can_merge(other):
+            raise ValueError("only batches of one engine that draw tokens alike can merge")
+        C = max(self.width, other.width)
+        for b in (self, other):
+            b.valid = torch.cat([b.valid, b.valid.new_zeros(len(b), C - b.width)], 1)
+        self.cache = _stack_caches([self.cache, other.cache], C)
+        if self.ctx is not None:
+            pair = lambda a, b: torch.cat([_pad_columns(a, C), _pad_columns(b, C)])
+            self.ctx.kv = [(pair(k0, k1), pair(v0, v1)) for (k0, v0), (k1, v1) in zip(self.ctx.kv, other.ctx.kv)]
+        if self.counts is not None or other.counts is not None:
+            V = self.engine.target.info.vocab_size
+            z = lambda b: b.counts if b.counts is not None else torch.zeros(len(b), V, device=b.valid.device)
+            self.counts = torch.cat([z(self), z(other)])
+        self.valid, self.committed = torch.cat([self.valid, other.valid]), torch.cat([self.committed, other.committed])
+        for name in self._ROW_LISTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.peak = [max(p, len(self)) for p in self.peak]
+        self.dense = False
+
+    def _result(self, i: int) -> GenerationResult:
+        s = self.stops[i]
+        return GenerationResult(
+            token_ids=s.tokens,
+            text=s.result_text(),
+            finish_reason=s.finish_reason or "length",
+            prompt_tokens=self.lens[i],
+            method=self.engine.method,
+            stats=self.stats[i],
+            seconds=time.perf_counter() - self.t0[i],
+            timings=dict(self.clock.totals),
+            batch_size=self.peak[i],
+            logprobs=s.logprobs,
+        )

@@ -1,0 +1,305 @@
+"""The OpenAI surface of `dspine serve`, apart from the scheduler: a request body checked and turned into engine
+input (`Parsed`), the replies shaped as OpenAI answers them (whole, or streamed as SSE chunks by `Stream`), with
+acceptance in SGLang's shape, tool calls parsed from the reply, and refusals in OpenAI's error shape. `reasoning_effort`
+(none/low/medium/high/xhigh) is mapped onto the target: Qwen3's `enable_thinking`; others a system note.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dspine.sampling import SamplingParams
+from dspine.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatRequest,
+    Completion,
+    Delta,
+    DeltaChoice,
+    RequestInvalid,
+    TextChoice,
+    Usage,
+    error_body,
+    logprobs_doc,
+    parse_request,
+    parse_tool_calls,
+    streamable_prefix,
+    template_has_tools,
+    template_messages,
+)
+from dspine.serve.protocol import read_json as protocol_read_json
+from dspine.serve.records import RequestRecord
+
+if TYPE_CHECKING:
+    from dspine.serve.service import Service
+
+REASONING_BUDGET = {"low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
+
+
+def thinking_mode(model_type: str) -> dict:
+    """How `reasoning_effort` reaches this target, as /v1/models reports it and `dspine serve` says at start."""
+    if model_type.startswith("qwen3"):
+        return {"mode": "enable_thinking", "detail": "none: enable_thinking=False; any other level: True"}
+    budget = ", ".join(f"{k} {v}" for k, v in REASONING_BUDGET.items())
+    return {"mode": "system_note", "detail": "the target has no thinking mode: low..xhigh add a system note asking "
+            f"for step-by-step reasoning within a token budget ({budget}); none adds nothing"}  # fmt: skip
+
+
+def apply_reasoning_effort(model_type: str, messages: list[dict], effort: str) -> tuple[list[dict], dict]:
+    """-> (messages, chat-template kwargs) for the target's notion of thinking (see thinking_mode)."""
+    if thinking_mode(model_type)["mode"] == "enable_thinking":
+        return messages, {"enable_thinking": effort != "none"}
+    if effort == "none":
+        return messages, {}
+    note = (
+        f"Reasoning effort: {effort}. Think step by step before answering, using at most "
+        f"{REASONING_BUDGET[effort]} tokens of reasoning, then give the answer."
+    )
+    if messages and messages[0].get("role") == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + note}] + messages[1:], {}
+    return [{"role": "system", "content": note}] + messages, {}
+
+
+@dataclass
+class Parsed:
+    """A checked request, ready for the engine."""
+
+    ids: list[int]
+    params: SamplingParams
+    effort: str
+    stream: bool
+    workload: str
+    details: bool
+    meta_info: bool
+    token_ids: bool
+    tool_names: set[str] | None  # the offered functions; None: no tools, the reply is plain content
+    one_call: bool = False  # parallel_tool_calls false: at most one tool call per reply
+    n: int = 1  # choices
+    timeout_s: float | None = None  # decoding longer than this aborts the request
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
+
+
+class OpenAIShaping:
+    """Parsing and reply shaping for a Service (its `engine` and `cfg`): what turns a body into a `Parsed` request
+    and a finished request into OpenAI's answer."""
+
+    @staticmethod
+    def template_hash(tokenizer) -> str | None:
+        template = getattr(tokenizer, "chat_template", None)
+        return hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None
+
+    def parse(self, body, chat: bool) -> Parsed:
+        try:
+            req = parse_request(body, chat)
+        except RequestInvalid as e:
+            raise BadRequest(str(e), param=e.param) from None
+        if req.model is not None and req.model != self.cfg.model_name:
+            raise BadRequest(
+                f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        effort = req.reasoning_effort or "none"
+        tools: list = []
+        if chat:
+            tools = req.active_tools()
+            ids = self._chat_ids(req, effort)
+        else:
+            ids = self.engine.target.encode(req.prompt)
+        where = "messages" if chat else "prompt"
+        if not ids:
+            raise BadRequest("the prompt is empty", param=where)
+        if len(ids) > self.max_prompt:
+            raise BadRequest(
+                f"the prompt has {len(ids)} tokens; at most {self.max_prompt} are accepted",
+                param=where,
+                code="context_length_exceeded",
+            )
+        room = self.engine.target.info.max_position_embeddings - len(ids)  # the context window left
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is not None and max_tokens > room:  # refused, as OpenAI does, rather than clamped
+            key = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+            raise BadRequest(f"'{key}' is {max_tokens}, but the prompt's {len(ids)} tokens leave room for at most "
+                             f"{room} in the context window", param=key, code="context_length_exceeded")  # fmt: skip
+        max_tokens = max_tokens or min(256, room)
+        stop = ([req.stop] if req.stop else []) if isinstance(req.stop, str) else list(req.stop or [])
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            stop=stop,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logprobs=req.top_k_logprobs(),
+        )
+        meta = req.metadata or {}
+        return Parsed(
+            ids=ids,
+            params=params,
+            effort=effort,
+            stream=req.stream,
+            workload=str(meta.get("workload", "default")),
+            details=req.return_spec_tokens_details,
+            meta_info=req.return_meta_info,
+            token_ids=req.return_token_ids,
+            tool_names={t.function.name for t in tools} if tools else None,
+            one_call=chat and req.parallel_tool_calls is False,
+            n=req.n,
+            timeout_s=min((t for t in (req.timeout, self.cfg.request_timeout_s) if t), default=None),
+        )
+
+    def _chat_ids(self, req: ChatRequest, effort: str) -> list[int]:
+        tgt = self.engine.target
+        native = template_has_tools(getattr(tgt.tokenizer, "chat_template", None))
+        msgs, kw = template_messages(req, native)
+        msgs, kw2 = apply_reasoning_effort(tgt.info.model_type, msgs, effort)
+        try:
+            return tgt.chat_ids(msgs, **kw, **kw2)
+        except Exception as e:  # a chat template that rejects these messages
+            raise BadRequest(f"cannot apply the chat template: {e}", param="messages") from None
+
+    def extras(self, req: Parsed, rec: RequestRecord) -> dict:
+        out = {}
+        spec = rec.spec() or {"spec_accept_length": 1.0, "spec_verify_ct": 0}
+        if req.details:
+            out["sglext"] = {"spec_tokens_details": spec, "reasoning_effort": rec.thinking}
+        if req.meta_info:
+            out["meta_info"] = {
+                **spec,
+                "id": rec.request_id,
+                "prompt_tokens": rec.prompt_tokens,
+                "completion_tokens": rec.completion_tokens,
+                "reasoning_effort": rec.thinking,
+            }
+        if req.token_ids:
+            out["prompt_token_ids"] = rec.prompt_token_ids
+        return out
+
+    def choice_extras(self, req: Parsed, res, chat: bool) -> dict:
+        """A choice's token ids (return_token_ids) and logprobs (when asked), from its GenerationResult."""
+        out = {"token_ids": list(res.token_ids)} if req.token_ids else {}
+        if res.logprobs is not None:
+            decode = lambda t: self.engine.target.decode([t])
+            out["logprobs"] = logprobs_doc(list(zip(res.token_ids, res.logprobs)), decode, chat)
+        return out
+
+    def reply(self, req: Parsed, text: str, finish_reason: str) -> tuple[str | None, list[dict], str]:
+        """(content, tool_calls, finish_reason) of a finished generation."""
+        if req.tool_names is None:
+            return text, [], finish_reason
+        content, calls = parse_tool_calls(text, req.tool_names)
+        return (content, calls[:1] if req.one_call else calls, "tool_calls") if calls else (text, [], finish_reason)
+
+    def response(self, req: Parsed, rec: RequestRecord, results: list, chat: bool) -> dict:
+        choices = []
+        for i, res in enumerate(results):
+            extra = self.choice_extras(req, res, chat)
+            if chat:
+                content, calls, finish = self.reply(req, res.text, res.finish_reason)
+                message = AssistantMessage(
+                    role="assistant", content=content, **({"tool_calls": calls} if calls else {})
+                )
+                choices.append(ChatChoice(index=i, message=message, finish_reason=finish, **extra))
+            else:
+                choices.append(TextChoice(index=i, text=res.text, finish_reason=res.finish_reason, **extra))
+        return Completion(id=rec.request_id, object="chat.completion" if chat else "text_completion",
+                          created=int(rec.ts), model=rec.model, choices=choices, usage=usage(rec),
+                          **self.extras(req, rec)).dump()  # fmt: skip
+
+
+def usage(rec: RequestRecord) -> Usage:
+    return Usage(prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
+                 total_tokens=rec.prompt_tokens + rec.completion_tokens)  # fmt: skip
+
+
+class Stream:
+    """One streamed choice: tokens arrive from the decoding thread, text goes out as SSE chunks. Text that
+    could still become a stop string is held back; with tools offered, text that could be a tool call is too,
+    and the calls go out as `tool_calls` deltas once the reply is complete. The choice's logprobs ride on its
+    last chunk."""
+
+    def __init__(self, service: Service, req: Parsed, chat: bool, index: int = 0):
+        self.service, self.req, self.chat, self.index = service, req, chat, index
+        self.hold = max((len(s) for s in req.params.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.created = int(time.time())
+
+    def chunk(self, delta: dict | None = None, text: str | None = None, finish=None, usage=None, extra=None,
+              ids: dict | None = None) -> str:  # fmt: skip
+        i = self.index
+        if self.chat:
+            choice = DeltaChoice(index=i, delta=Delta(**(delta or {})), finish_reason=finish, **(ids or {}))
+        else:
+            choice = TextChoice(index=i, text=text or "", finish_reason=finish, **(ids or {}))
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        done = {"usage": usage} if usage is not None else {}
+        doc = Completion(id=self.req.id, object=obj, created=self.created, model=self.service.cfg.model_name,
+                         choices=[choice], **done, **(extra or {}))  # fmt: skip
+        return "data: " + json.dumps(doc.dump()) + "\n\n"
+
+    def content(self, text: str) -> str:
+        return self.chunk({"role": "assistant", "content": text}, text)
+
+    def progress(self) -> str | None:
+        """The chunk for the text decoded so far that is safe to send, if any."""
+        text = self.service.engine.target.decode(self.tokens)
+        safe = text[: len(text) - self.hold] if self.hold else text
+        if safe.endswith("\ufffd"):
+            return None  # an incomplete UTF-8 sequence: wait for the next token
+        if self.req.tool_names is not None:
+            safe = streamable_prefix(safe)
+        if len(safe) <= len(self.sent):
+            return None
+        out, self.sent = safe[len(self.sent) :], safe
+        return self.content(out)
+
+    def finish(self, res, rec: RequestRecord | None) -> list[str]:
+        """The choice's last chunks; with the request's record (the last choice), usage and extras ride along."""
+        # completions never carry tools, so their text comes back whole
+        content, calls, finish = self.service.reply(self.req, res.text, res.finish_reason)
+        out = []
+        rest = content or ""
+        if len(rest) > len(self.sent) and rest.startswith(self.sent):
+            out.append(self.content(rest[len(self.sent) :]))
+        for i, c in enumerate(calls):
+            out.append(self.chunk({"role": "assistant", "tool_calls": [{"index": i, **c}]}))
+        ids = self.service.choice_extras(self.req, res, self.chat)
+        if rec is None:
+            out.append(self.chunk(None, None, finish, ids=ids))
+        else:
+            out.append(self.chunk(None, None, finish, usage(rec), self.service.extras(self.req, rec), ids))
+        return out
+
+
+def read_json(raw: bytes, content_type: str = "application/json"):
+    """A request body -> its JSON value, or BadRequest naming what is wrong with it."""
+    try:
+        return protocol_read_json(raw, content_type)
+    except RequestInvalid as e:
+        raise BadRequest(str(e)) from None
+
+
+def error_response(service: Service, e: BadRequest):
+    """A refusal in OpenAI's error shape (Retry-After on 429 / 503), counted by status."""
+    from fastapi.responses import JSONResponse
+
+    service.metrics.errors.labels(str(e.status)).inc()
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+    return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status, headers=headers)
