@@ -22,8 +22,9 @@ import sys
 def parse(argv=None) -> tuple:
     from dspine.adapt.collection import WORKLOADS, CollectConfig
 
-    p = argparse.ArgumentParser(prog="adapt/collect.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="adapt/collect.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--endpoint", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--out", required=True, help="collection directory: a path or a URI pyarrow understands")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: swe, tool, office")
@@ -48,12 +49,25 @@ def parse(argv=None) -> tuple:
     )
     p.add_argument("--dry-run", action="store_true", help="list the episodes that would run, then exit")
     a = p.parse_args(argv)
-    cfg = CollectConfig(endpoint=a.endpoint, out=a.out, workloads=[w for w in a.workloads.split(",") if w],
-                        levels=[x for x in a.levels.split(",") if x], episodes=a.episodes, model=a.model,
-                        api_key=a.api_key, concurrency=a.concurrency, retries=a.retries, seed=a.seed,
-                        max_turns=a.max_turns, max_tokens=a.max_tokens, max_episode_tokens=a.max_episode_tokens,
-                        wall_s=a.wall_s, temperature=a.temperature, tool_wall_s=a.tool_wall_s,
-                        executor=a.executor)  # fmt: skip
+    cfg = CollectConfig(
+        endpoint=a.endpoint,
+        out=a.out,
+        workloads=[w for w in a.workloads.split(",") if w],
+        levels=[x for x in a.levels.split(",") if x],
+        episodes=a.episodes,
+        model=a.model,
+        api_key=a.api_key,
+        concurrency=a.concurrency,
+        retries=a.retries,
+        seed=a.seed,
+        max_turns=a.max_turns,
+        max_tokens=a.max_tokens,
+        max_episode_tokens=a.max_episode_tokens,
+        wall_s=a.wall_s,
+        temperature=a.temperature,
+        tool_wall_s=a.tool_wall_s,
+        executor=a.executor,
+    )
     return cfg, a.dry_run
 
 

@@ -30,8 +30,17 @@ from dspine.io import md_table
 
 WORKLOADS = ("swe", "tool", "office")
 # a different value of any of these makes a different collection (the endpoint may move)
-IDENTITY = ("workloads", "levels", "episodes", "seed", "model", "max_turns", "max_tokens", "max_episode_tokens",
-            "temperature")  # fmt: skip
+IDENTITY = (
+    "workloads",
+    "levels",
+    "episodes",
+    "seed",
+    "model",
+    "max_turns",
+    "max_tokens",
+    "max_episode_tokens",
+    "temperature",
+)
 
 
 class CollectError(ValueError):
@@ -65,10 +74,17 @@ class CollectConfig:
         return {k: getattr(self, k) for k in IDENTITY}
 
     def agent(self) -> AgentConfig:
-        return AgentConfig(endpoint=self.endpoint, model=self.model or "dspine", api_key=self.api_key,
-                           max_turns=self.max_turns, max_tokens=self.max_tokens,
-                           max_episode_tokens=self.max_episode_tokens, wall_s=self.wall_s,
-                           temperature=self.temperature, tool_limits=JailLimits(wall_s=self.tool_wall_s))  # fmt: skip
+        return AgentConfig(
+            endpoint=self.endpoint,
+            model=self.model or "dspine",
+            api_key=self.api_key,
+            max_turns=self.max_turns,
+            max_tokens=self.max_tokens,
+            max_episode_tokens=self.max_episode_tokens,
+            wall_s=self.wall_s,
+            temperature=self.temperature,
+            tool_limits=JailLimits(wall_s=self.tool_wall_s),
+        )
 
 
 def harness(name: str):
@@ -98,8 +114,15 @@ def plan(cfg: CollectConfig) -> list[dict]:
         for w in cfg.workloads:
             t, rep = tasks[w][i % len(tasks[w])], i // len(tasks[w])
             for level in cfg.levels:
-                out.append({"episode_id": episode_id(w, t.id, level, rep), "workload": w, "task_id": t.id,
-                            "level": level, "rep": rep})  # fmt: skip
+                out.append(
+                    {
+                        "episode_id": episode_id(w, t.id, level, rep),
+                        "workload": w,
+                        "task_id": t.id,
+                        "level": level,
+                        "rep": rep,
+                    }
+                )
     return out
 
 
@@ -262,22 +285,45 @@ def accounts(st: Store, todo: list[dict], skipped: int, failed: dict, seconds: f
     table = []
     for (w, level), eps in sorted(cells.items()):
         judged = [e["success"] for e in eps if e["success"] is not None]
-        table.append({"workload": w, "level": level, "episodes": len(eps),
-                      "success_rate": sum(judged) / len(judged) if judged else None,
-                      "mean_turns": sum(e["turns"] for e in eps) / len(eps),
-                      "mean_generated_tokens": sum(e["generated_tokens"] for e in eps) / len(eps),
-                      "terminations": dict(Counter(e["termination"] for e in eps))})  # fmt: skip
+        table.append(
+            {
+                "workload": w,
+                "level": level,
+                "episodes": len(eps),
+                "success_rate": sum(judged) / len(judged) if judged else None,
+                "mean_turns": sum(e["turns"] for e in eps) / len(eps),
+                "mean_generated_tokens": sum(e["generated_tokens"] for e in eps) / len(eps),
+                "terminations": dict(Counter(e["termination"] for e in eps)),
+            }
+        )
     ran = len(todo) - skipped - len(failed)
-    return {"requested": len(todo), "ok": ran, "failed": len(failed), "skipped": skipped,
-            "failures": failed, "seconds": seconds,
-            "episodes_per_minute": ran / (seconds / 60) if seconds > 0 and ran else 0.0, "table": table}  # fmt: skip
+    return {
+        "requested": len(todo),
+        "ok": ran,
+        "failed": len(failed),
+        "skipped": skipped,
+        "failures": failed,
+        "seconds": seconds,
+        "episodes_per_minute": ran / (seconds / 60) if seconds > 0 and ran else 0.0,
+        "table": table,
+    }
 
 
 def accounts_markdown(acc: dict) -> str:
-    rows = [[r["workload"], r["level"], r["episodes"],
-             "n/a" if r["success_rate"] is None else f"{r['success_rate']:.2f}", f"{r['mean_turns']:.1f}",
-             f"{r['mean_generated_tokens']:.0f}", ", ".join(f"{k} {v}" for k, v in r["terminations"].items())]
-            for r in acc["table"]]  # fmt: skip
+    rows = [
+        [
+            r["workload"],
+            r["level"],
+            r["episodes"],
+            "n/a" if r["success_rate"] is None else f"{r['success_rate']:.2f}",
+            f"{r['mean_turns']:.1f}",
+            f"{r['mean_generated_tokens']:.0f}",
+            ", ".join(f"{k} {v}" for k, v in r["terminations"].items()),
+        ]
+        for r in acc["table"]
+    ]
     head = ["workload", "level", "episodes", "success", "turns", "gen tokens", "terminations"]
-    return (md_table(head, rows) + f"\n\nrequested {acc['requested']} = ok {acc['ok']} + failed {acc['failed']} + "
-            f"skipped {acc['skipped']}; {acc['episodes_per_minute']:.2f} episodes/min")  # fmt: skip
+    return (
+        md_table(head, rows) + f"\n\nrequested {acc['requested']} = ok {acc['ok']} + failed {acc['failed']} + "
+        f"skipped {acc['skipped']}; {acc['episodes_per_minute']:.2f} episodes/min"
+    )

@@ -40,8 +40,14 @@ class Stages:
 def proxy_chat(proxy: str, key: str, workload: str, level: str, prompt: str) -> str:
     from dspine.adapt.deployment import call_json
 
-    body = {"model": "smol", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0,
-            "reasoning_effort": level, "metadata": {"workload": workload}}  # fmt: skip
+    body = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 32,
+        "temperature": 0,
+        "reasoning_effort": level,
+        "metadata": {"workload": workload},
+    }
     return call_json(proxy + "/v1/chat/completions", body, key)["id"]
 
 
@@ -70,8 +76,9 @@ def table(it: dict, doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="adapt/demo.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="adapt/demo.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--work", default="runs/demo")
     ap.add_argument("--workload", default="tool", help="agent workload collected (tool, office, swe)")
     ap.add_argument("--levels", default="low,high")
@@ -113,16 +120,47 @@ def main(argv=None) -> int:
             "builtin", "smol", extra=["--admin-key", admin, "--max-prompt-tokens", "7000"], log=log
         )
         stage("LiteLLM proxy in front of it, recording every request in a SQLite store")
-        cfg = ProxyConfig(backends=[parse_backend(f"smol={base}/v1@smol")], port=free_port(), db=str(work / "proxy.db"),
-                          workdir=str(work / "proxy"))  # fmt: skip
+        cfg = ProxyConfig(
+            backends=[parse_backend(f"smol={base}/v1@smol")],
+            port=free_port(),
+            db=str(work / "proxy.db"),
+            workdir=str(work / "proxy"),
+        )
         proxy = start_proxy(cfg, key=master, log=open(work / "proxy.log", "wb"))
         purl = f"http://127.0.0.1:{cfg.port}"
         stage(f"collect {a.episodes} {a.workload} episodes per level ({a.levels}) through the proxy: a Ray job")
-        cmd = ["ray", "job", "submit", "--address", dashboard, "--working-dir", str(ROOT), "--", "python",
-               "adapt/collect.py", "--endpoint", purl + "/v1", "--api-key", master, "--model", "smol",
-               "--out", str(work / "collected"), "--workloads", a.workload, "--levels", a.levels,
-               "--episodes", str(a.episodes), "--max-turns", "1", "--max-tokens", "64",
-               "--concurrency", "2"]  # fmt: skip
+        cmd = [
+            "ray",
+            "job",
+            "submit",
+            "--address",
+            dashboard,
+            "--working-dir",
+            str(ROOT),
+            "--",
+            "python",
+            "adapt/collect.py",
+            "--endpoint",
+            purl + "/v1",
+            "--api-key",
+            master,
+            "--model",
+            "smol",
+            "--out",
+            str(work / "collected"),
+            "--workloads",
+            a.workload,
+            "--levels",
+            a.levels,
+            "--episodes",
+            str(a.episodes),
+            "--max-turns",
+            "1",
+            "--max-tokens",
+            "64",
+            "--concurrency",
+            "2",
+        ]
         job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         (work / "collect.log").write_text(job.stdout + job.stderr)
         if job.returncode:
@@ -134,13 +172,26 @@ def main(argv=None) -> int:
             time.sleep(0.5)
         stage(f"adapt: records -> traces -> fine-tune ({a.steps} steps, Ray Train) -> held-out replay + gate -> deploy")
         loop = LoopConfig(
-            store=cfg.db, work=str(work / "loop"), min_rows=2,
-            finetune=FinetuneConfig(base="builtin", workers=1, heldout_fraction=0.34,
-                                    train=TrainConfig(steps=a.steps, batch_size=2, anchors_per_seq=16, max_len=768,
-                                                      lr=5e-5, warmup_steps=4, eval_every=1000)),
+            store=cfg.db,
+            work=str(work / "loop"),
+            min_rows=2,
+            finetune=FinetuneConfig(
+                base="builtin",
+                workers=1,
+                heldout_fraction=0.34,
+                train=TrainConfig(
+                    steps=a.steps,
+                    batch_size=2,
+                    anchors_per_seq=16,
+                    max_len=768,
+                    lr=5e-5,
+                    warmup_steps=4,
+                    eval_every=1000,
+                ),
+            ),
             evaluate=EvalConfig(benchmarks=["gsm8k", "mt_bench"], limit=1, max_new_tokens=32),
             deploy=DeployConfig(endpoint=base, admin_key=admin, live_requests=2, max_tokens=32, live_tolerance=0.5),
-        )  # fmt: skip
+        )
         it = run_iteration(loop, progress=True)
         if it["action"] != "adapted":
             print(f"nothing adapted: {it.get('reason')}", file=sys.stderr)

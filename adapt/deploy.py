@@ -30,8 +30,9 @@ def parse(argv=None):
     from dspine.adapt.deployment import DeployConfig
     from dspine.config import configure
 
-    p = argparse.ArgumentParser(prog="adapt/deploy.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="adapt/deploy.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--evaluation", required=True, help="adapt/evaluate.py's JSON (with the gate's decision)")
     p.add_argument("--group", default="", help="which adapted drafter (default: the only one)")
     p.add_argument("--endpoint", default="http://127.0.0.1:8000", help="the dspine server (default: %(default)s)")
@@ -39,8 +40,15 @@ def parse(argv=None):
     p.add_argument("--history", default="", help="JSON lines of decisions (default: deploys.jsonl beside --evaluation)")
     p.add_argument("overrides", nargs="*", help="dotted settings, e.g. live_requests=6")
     a = p.parse_args(argv)
-    return configure(DeployConfig, a.overrides, evaluation=a.evaluation, group=a.group, endpoint=a.endpoint,
-                     admin_key=a.admin_key, history=a.history)  # fmt: skip
+    return configure(
+        DeployConfig,
+        a.overrides,
+        evaluation=a.evaluation,
+        group=a.group,
+        endpoint=a.endpoint,
+        admin_key=a.admin_key,
+        history=a.history,
+    )
 
 
 def main(argv=None) -> int:

@@ -118,8 +118,12 @@ def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) ->
     model = call_json(base + "/v1/models")["data"][0]["id"]
     pooled, drafters = None, set()
     for p in prompts[: cfg.live_requests]:
-        body = {"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": cfg.max_tokens,
-                "temperature": 0}  # fmt: skip
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": p}],
+            "max_tokens": cfg.max_tokens,
+            "temperature": 0,
+        }
         if route is not None:
             workload, _, level = route.partition("/")
             body["metadata"] = {"workload": workload}
@@ -132,8 +136,12 @@ def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) ->
         if hist:
             st = AcceptanceStats(len(hist), hist)
             pooled = st if pooled is None else pooled.merge(st)
-    return {"tau": pooled.tau if pooled else 1.0, "rounds": pooled.rounds if pooled else 0,
-            "requests": min(len(prompts), cfg.live_requests), "drafters": sorted(map(str, drafters))}  # fmt: skip
+    return {
+        "tau": pooled.tau if pooled else 1.0,
+        "rounds": pooled.rounds if pooled else 0,
+        "requests": min(len(prompts), cfg.live_requests),
+        "drafters": sorted(map(str, drafters)),
+    }
 
 
 def _live_tau_sglang(cfg: DeployConfig, prompts: list[str]) -> dict:
@@ -145,8 +153,12 @@ def _live_tau_sglang(cfg: DeployConfig, prompts: list[str]) -> dict:
         meta = call_json(cfg.endpoint.rstrip("/") + "/generate", body)["meta_info"]
         accepted += meta.get("spec_num_correct_drafts", 0)
         rounds += meta.get("spec_verify_ct", 0)
-    return {"tau": tau_of(accepted, rounds) if rounds else 1.0, "rounds": rounds,
-            "requests": min(len(prompts), cfg.live_requests), "drafters": ["server"]}  # fmt: skip
+    return {
+        "tau": tau_of(accepted, rounds) if rounds else 1.0,
+        "rounds": rounds,
+        "requests": min(len(prompts), cfg.live_requests),
+        "drafters": ["server"],
+    }
 
 
 # --- restarting a backend -------------------------------------------------------------------------------------
@@ -221,8 +233,11 @@ def _restart(cfg: DeployConfig, doc: dict, group: str, entry: dict, gated: float
     except DeployError as e:
         new, live, reason = None, None, f"restart failed: {e}"
     else:
-        reason = None if live["tau"] >= cfg.live_tolerance * gated else (
-            f"live τ {live['tau']:.3f} < {cfg.live_tolerance} × {gated:.3f}")  # fmt: skip
+        reason = (
+            None
+            if live["tau"] >= cfg.live_tolerance * gated
+            else (f"live τ {live['tau']:.3f} < {cfg.live_tolerance} × {gated:.3f}")
+        )
     entry.update(live=live, threshold=cfg.live_tolerance * gated)
     if reason is None:
         entry["action"] = "deployed"
@@ -263,10 +278,16 @@ def deploy(cfg: DeployConfig) -> dict:
     cells = {c: doc["per_cell"][c] for c in info["cells"]}
     gated = (doc.get("general") or {}).get("tau_mean", {}).get(group) or min(c["adapted"] for c in cells.values())
     route = route_of(group, cfg.route)
-    entry = {"ts": time.time(), "group": group, "route": route, "drafter": info["path"], "endpoint": cfg.endpoint,
-             "cells": {c: {k: v[k] for k in ("base", "adapted", "ratio")} for c, v in cells.items()},
-             "general_regression": (doc.get("general") or {}).get("regression", {}).get(group),
-             "gated_tau": gated}  # fmt: skip
+    entry = {
+        "ts": time.time(),
+        "group": group,
+        "route": route,
+        "drafter": info["path"],
+        "endpoint": cfg.endpoint,
+        "cells": {c: {k: v[k] for k in ("base", "adapted", "ratio")} for c, v in cells.items()},
+        "general_regression": (doc.get("general") or {}).get("regression", {}).get(group),
+        "gated_tau": gated,
+    }
     if not decision["accept"]:
         entry.update(action="refused", reasons=decision["reasons"])
         _append(history, entry)

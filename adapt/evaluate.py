@@ -17,8 +17,9 @@ def parse(argv=None):
     from dspine.adapt.evaluation import EvalConfig
     from dspine.config import configure
 
-    p = argparse.ArgumentParser(prog="adapt/evaluate.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="adapt/evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--finetune", required=True, help="a fine-tune's output folder (holds finetune.json)")
     p.add_argument("--out", required=True, help="the evaluation JSON (a .md table is written beside it)")
     p.add_argument("--summary", default="", help="summary.json whose `adaptation` section is rewritten")

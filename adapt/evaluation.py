@@ -124,17 +124,31 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
         mine = [r for r in rows if group_of(r, fc.get("per", "all")) == g]
         tasks = {(r["workload"], r["task_id"]) for r in mine if r["episode_id"] in held}
         trained = {(r["workload"], r["task_id"]) for r in mine if r["episode_id"] not in held}
-        drafters[g] = {"path": info["drafter"], "cells": sorted(cells), "adapted": adapted,
-                       "split": fc.get("split", "episode"), "heldout_tasks": len(tasks),
-                       "heldout_tasks_seen": len(tasks & trained)}  # fmt: skip
+        drafters[g] = {
+            "path": info["drafter"],
+            "cells": sorted(cells),
+            "adapted": adapted,
+            "split": fc.get("split", "episode"),
+            "heldout_tasks": len(tasks),
+            "heldout_tasks_seen": len(tasks & trained),
+        }
     models = {"base": base, **{g: d.pop("adapted") for g, d in drafters.items()}}
     general = None
     if cfg.limit:
         _finish(cfg, per_cell, drafters, None, pending=True)  # the replay kept should the benchmarks be cut short
         paths = {"base": base_path, **{g: d["path"] for g, d in drafters.items()}}
-        ev = evaluate(target, models, cfg.benchmarks, cfg.limit, [0.0], cfg.max_new_tokens, progress=progress,
-                      workers=cfg.general_workers, target_spec=(fc["target"], fc["dtype"], fc["device"]),
-                      drafter_paths=paths)  # fmt: skip
+        ev = evaluate(
+            target,
+            models,
+            cfg.benchmarks,
+            cfg.limit,
+            [0.0],
+            cfg.max_new_tokens,
+            progress=progress,
+            workers=cfg.general_workers,
+            target_spec=(fc["target"], fc["dtype"], fc["device"]),
+            drafter_paths=paths,
+        )
         means = benchmark_means(ev["results"])["T0"]
         general = {
             "tau_mean": {n: means[n] for n in models},
@@ -189,8 +203,11 @@ def markdown(doc: dict) -> str:
             f"{n} {t:.3f}" for n, t in g["tau_mean"].items()
         )
         text += "; regression " + ", ".join(f"{n} {r:+.1%}" for n, r in g["regression"].items())
-    seen = [f"{g} {d['heldout_tasks_seen']}/{d['heldout_tasks']} (split by {d['split']})"
-            for g, d in doc["drafters"].items() if "heldout_tasks" in d]  # fmt: skip
+    seen = [
+        f"{g} {d['heldout_tasks_seen']}/{d['heldout_tasks']} (split by {d['split']})"
+        for g, d in doc["drafters"].items()
+        if "heldout_tasks" in d
+    ]
     text += "\n\nHeld-out tasks also in training: " + ", ".join(seen)
     text += "\n\nGate: " + "; ".join(
         f"{g}: {'accept' if d['accept'] else 'refuse — ' + ', '.join(d['reasons'])}" for g, d in doc["gate"].items()

@@ -19,8 +19,9 @@ def parse(argv=None):
     from dspine.adapt.finetuning import FinetuneConfig
     from dspine.config import configure
 
-    p = argparse.ArgumentParser(prog="adapt/finetune.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="adapt/finetune.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--traces", required=True, help="collection directory (adapt/collect.py, dspine traces export)")
     p.add_argument("--out", required=True, help="output folder: one drafter per group + finetune.json")
     p.add_argument("--base", default="builtin", help="base drafter folder, or builtin (default)")
@@ -29,8 +30,16 @@ def parse(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per worker)")
     p.add_argument("overrides", nargs="*", help="dotted settings, e.g. mode=lora train.lr=1e-4 per=workload")
     a = p.parse_args(argv)
-    return configure(FinetuneConfig, a.overrides, traces=a.traces, out=a.out, base=a.base, target=a.target,
-                     workers=a.workers, device=a.device)  # fmt: skip
+    return configure(
+        FinetuneConfig,
+        a.overrides,
+        traces=a.traces,
+        out=a.out,
+        base=a.base,
+        target=a.target,
+        workers=a.workers,
+        device=a.device,
+    )
 
 
 def main(argv=None) -> int:
@@ -46,9 +55,19 @@ def main(argv=None) -> int:
         return 2
     for g, info in res["groups"].items():
         last = info["last"] or {}
-        print(json.dumps({"group": g, "drafter": info["drafter"], "train_samples": info["train_samples"],
-                          "heldout_episodes": len(info["heldout_episodes"]), "step": last.get("step"),
-                          "loss": last.get("loss"), "processes": last.get("processes")}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "group": g,
+                    "drafter": info["drafter"],
+                    "train_samples": info["train_samples"],
+                    "heldout_episodes": len(info["heldout_episodes"]),
+                    "step": last.get("step"),
+                    "loss": last.get("loss"),
+                    "processes": last.get("processes"),
+                }
+            )
+        )
     return 0
 
 

@@ -19,8 +19,9 @@ def parse(argv=None):
     from dspine.adapt.cycle import LoopConfig
     from dspine.config import configure
 
-    p = argparse.ArgumentParser(prog="adapt/loop.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="adapt/loop.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--store", required=True, help="the proxy's SQLite store (dspine proxy --db)")
     p.add_argument("--work", required=True, help="folder for the iterations, loop.json and deploys.jsonl")
     p.add_argument("--endpoint", default="http://127.0.0.1:8000", help="the dspine server (default: %(default)s)")
@@ -30,8 +31,16 @@ def parse(argv=None):
     p.add_argument("--iterations", type=int, default=1, help="how many (0: until stopped)")
     p.add_argument("overrides", nargs="*", help="dotted settings, e.g. finetune.workers=2 evaluate.limit=1")
     a = p.parse_args(argv)
-    return configure(LoopConfig, a.overrides, store=a.store, work=a.work, every_s=a.every, iterations=a.iterations,
-                     deploy={"endpoint": a.endpoint, "admin_key": a.admin_key}, finetune={"base": a.base})  # fmt: skip
+    return configure(
+        LoopConfig,
+        a.overrides,
+        store=a.store,
+        work=a.work,
+        every_s=a.every,
+        iterations=a.iterations,
+        deploy={"endpoint": a.endpoint, "admin_key": a.admin_key},
+        finetune={"base": a.base},
+    )
 
 
 def main(argv=None) -> int:

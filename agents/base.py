@@ -268,8 +268,9 @@ class Harness:
     def score(self, ep: Episode) -> bool | None:
         return None
 
-    def run(self, cfg: AgentConfig, task: Task, level: str, episode_id: str, workdir: Path,
-            info: dict | None = None) -> EpisodeResult:  # fmt: skip
+    def run(
+        self, cfg: AgentConfig, task: Task, level: str, episode_id: str, workdir: Path, info: dict | None = None
+    ) -> EpisodeResult:
         workdir = Path(workdir)
         if workdir.exists():
             shutil.rmtree(workdir)
@@ -313,8 +314,9 @@ def python_tool(ep: Episode, spec: str, args: dict, label: str | None = None, co
 
     from dspine.agents.toolrun import parse
 
-    r = ep.jail.run([sys.executable, "-c", "from dspine.agents.toolrun import main; main()", spec],
-                    stdin=json.dumps(args))  # fmt: skip
+    r = ep.jail.run(
+        [sys.executable, "-c", "from dspine.agents.toolrun import main; main()", spec], stdin=json.dumps(args)
+    )
     ok, text = parse(r.output, r.returncode)
     return ep.tool_result(label or spec, text, ok and r.ok) if count else text
 

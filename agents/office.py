@@ -20,8 +20,14 @@ from dspine.agents.tau_tools import schema
 
 SPEC = "dspine.agents.office_tools:"
 _NEEDS_MISSING = re.compile(r"\bpdfs?\b|\.jpe?g|\.png|\bocr\b|\bimages?\b|\bscan(ned)?\b|\bphoto", re.IGNORECASE)
-FINISH = {"type": "function", "function": {"name": "finish", "description": "Call when the task is done.",
-          "parameters": {"type": "object", "properties": {}, "required": []}}}  # fmt: skip
+FINISH = {
+    "type": "function",
+    "function": {
+        "name": "finish",
+        "description": "Call when the task is done.",
+        "parameters": {"type": "object", "properties": {}, "required": []},
+    },
+}
 
 
 def data_dir() -> Path:
@@ -80,13 +86,19 @@ class OfficeHarness(Harness):
             calls = msg.tool_calls or []
             if not calls:
                 return self.score(ep), "answered"
-            messages.append({"role": "assistant", "content": msg.content,
-                             "tool_calls": [c.model_dump() for c in calls]})  # fmt: skip
+            messages.append(
+                {"role": "assistant", "content": msg.content, "tool_calls": [c.model_dump() for c in calls]}
+            )
             for c in calls:
                 if c.function.name == "finish":
                     return self.score(ep), "finished"
-                messages.append({"role": "tool", "tool_call_id": c.id,
-                                 "content": self.execute(ep, c.function.name, c.function.arguments)})  # fmt: skip
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": c.id,
+                        "content": self.execute(ep, c.function.name, c.function.arguments),
+                    }
+                )
 
     def score(self, ep) -> bool | None:
         rules = {"rules": ep.task.data.get("evaluation", []), "original": ep.task.data["testbed"]}

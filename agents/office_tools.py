@@ -120,8 +120,10 @@ def calendar_add_event(username: str, summary: str, start: str, end: str):
     """Add an event to a user's calendar; start and end as 'YYYY-MM-DD HH:MM'."""
     p = Path("calendar") / f"{username}.ics"
     text = p.read_text() if p.exists() else "BEGIN:VCALENDAR\nVERSION:2.0\nPRODID:dspine\nEND:VCALENDAR\n"
-    event = (f"BEGIN:VEVENT\nDTEND:{_ics_time(end)}\nDTSTART:{_ics_time(start)}\nSUMMARY:{summary}\n"
-             f"UID:{uuid.uuid4()}\nEND:VEVENT\n")  # fmt: skip
+    event = (
+        f"BEGIN:VEVENT\nDTEND:{_ics_time(end)}\nDTSTART:{_ics_time(start)}\nSUMMARY:{summary}\n"
+        f"UID:{uuid.uuid4()}\nEND:VEVENT\n"
+    )
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text.replace("END:VCALENDAR", event + "END:VCALENDAR", 1))
     return f"added {summary!r} to {username}'s calendar"
@@ -131,8 +133,12 @@ def calendar_delete_event(username: str, summary: str):
     """Delete the events of a user's calendar whose summary matches."""
     p = Path("calendar") / f"{username}.ics"
     text = p.read_text()
-    kept = re.sub(r"BEGIN:VEVENT\n(?:(?!END:VEVENT).)*?SUMMARY:" + re.escape(summary) + r"\n.*?END:VEVENT\n", "",
-                  text, flags=re.DOTALL)  # fmt: skip
+    kept = re.sub(
+        r"BEGIN:VEVENT\n(?:(?!END:VEVENT).)*?SUMMARY:" + re.escape(summary) + r"\n.*?END:VEVENT\n",
+        "",
+        text,
+        flags=re.DOTALL,
+    )
     p.write_text(kept)
     return f"deleted {text.count('BEGIN:VEVENT') - kept.count('BEGIN:VEVENT')} event(s)"
 
@@ -150,8 +156,18 @@ def email_send(sender: str, recipient: str, subject: str, body: str):
     return f"sent to {recipient}"
 
 
-TOOLS = [list_files, read_file, excel_set_cell, excel_write_rows, word_write, write_text, delete_file,
-         calendar_add_event, calendar_delete_event, email_send]  # fmt: skip
+TOOLS = [
+    list_files,
+    read_file,
+    excel_set_cell,
+    excel_write_rows,
+    word_write,
+    write_text,
+    delete_file,
+    calendar_add_event,
+    calendar_delete_event,
+    email_send,
+]
 
 
 # ---- OfficeBench's evaluation rules ------------------------------------------------------------------------
@@ -173,8 +189,9 @@ def _cells(a: dict, test) -> bool:
     import openpyxl
 
     ws = openpyxl.load_workbook(_p(a["file"]), data_only=True).active
-    return all(test(m, "" if (v := ws.cell(int(m["row"]), int(m["col"])).value) is None else str(v))
-               for m in a["matches"])  # fmt: skip
+    return all(
+        test(m, "" if (v := ws.cell(int(m["row"]), int(m["col"])).value) is None else str(v)) for m in a["matches"]
+    )
 
 
 def _diff_contain(a: dict, original: str) -> bool:

@@ -19,8 +19,12 @@ from pathlib import Path
 from dspine.agents.base import Harness, Task
 
 # mini-swe-agent's exit statuses -> the termination reasons every harness uses
-MINI_EXITS = {"LimitsExceeded": "max_turns", "TimeExceeded": "wall_time", "Submitted": "submitted",
-              "RepeatedFormatError": "format_errors"}  # fmt: skip
+MINI_EXITS = {
+    "LimitsExceeded": "max_turns",
+    "TimeExceeded": "wall_time",
+    "Submitted": "submitted",
+    "RepeatedFormatError": "format_errors",
+}
 
 
 def data_dir() -> Path:
@@ -60,8 +64,11 @@ def _adapters():
         def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
             r = self.ep.jail.run_shell(action.get("command", ""))
             self.ep.tool_result("bash", r.output, r.ok)
-            out = {"output": r.output, "returncode": r.returncode,
-                   "exception_info": "the command timed out and was killed" if r.timed_out else ""}  # fmt: skip
+            out = {
+                "output": r.output,
+                "returncode": r.returncode,
+                "exception_info": "the command timed out and was killed" if r.timed_out else "",
+            }
             self._check_finished(out)
             return out
 
@@ -75,8 +82,14 @@ class SweHarness(Harness):
         out = []
         for d in sorted(p for p in data_dir().iterdir() if (p / "task.json").is_file()):
             meta = json.loads((d / "task.json").read_text())
-            out.append(Task(meta["id"], self.name, (d / "ISSUE.md").read_text().strip(),
-                            {"dir": str(d), "test_command": meta["test_command"]}))  # fmt: skip
+            out.append(
+                Task(
+                    meta["id"],
+                    self.name,
+                    (d / "ISSUE.md").read_text().strip(),
+                    {"dir": str(d), "test_command": meta["test_command"]},
+                )
+            )
         return out
 
     def setup(self, ep) -> None:
@@ -91,8 +104,12 @@ class SweHarness(Harness):
         EpisodeModel, JailedEnvironment = _adapters()
         cfg = _mini_config()
         model_cfg = {k: v for k, v in cfg.get("model", {}).items() if k != "model_kwargs"}
-        agent_cfg = {**cfg["agent"], "step_limit": ep.cfg.max_turns, "cost_limit": 0,
-                     "wall_time_limit_seconds": int(ep.cfg.wall_s)}  # fmt: skip
+        agent_cfg = {
+            **cfg["agent"],
+            "step_limit": ep.cfg.max_turns,
+            "cost_limit": 0,
+            "wall_time_limit_seconds": int(ep.cfg.wall_s),
+        }
         env_cfg = {"env": cfg.get("environment", {}).get("env", {}), "timeout": int(ep.cfg.tool_limits.wall_s)}
         agent = DefaultAgent(EpisodeModel(ep, **model_cfg), JailedEnvironment(ep, **env_cfg), **agent_cfg)
         out = agent.run(task=ep.task.instruction)  # EpisodeLimit and refused calls end it in Harness.run

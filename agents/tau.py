@@ -71,9 +71,19 @@ class TauHarness(Harness):
             for t in json.loads((data_dir() / d / "tasks.json").read_text()):
                 ins = (t.get("user_scenario") or {}).get("instructions") or {}
                 crit = t.get("evaluation_criteria") or {}
-                out.append(Task(f"{d}-{t['id']}", self.name, ins.get("reason_for_call") or "",
-                                {"domain": d, "instructions": ins, "actions": crit.get("actions") or [],
-                                 "reward_basis": crit.get("reward_basis") or []}))  # fmt: skip
+                out.append(
+                    Task(
+                        f"{d}-{t['id']}",
+                        self.name,
+                        ins.get("reason_for_call") or "",
+                        {
+                            "domain": d,
+                            "instructions": ins,
+                            "actions": crit.get("actions") or [],
+                            "reward_basis": crit.get("reward_basis") or [],
+                        },
+                    )
+                )
         return out
 
     def db(self, domain: str) -> dict:
@@ -114,8 +124,9 @@ class TauHarness(Harness):
             msg = resp.choices[0].message
             calls = msg.tool_calls or []
             if calls:
-                messages.append({"role": "assistant", "content": msg.content,
-                                 "tool_calls": [c.model_dump() for c in calls]})  # fmt: skip
+                messages.append(
+                    {"role": "assistant", "content": msg.content, "tool_calls": [c.model_dump() for c in calls]}
+                )
                 for c in calls:
                     out = self.execute(ep, c.function.name, c.function.arguments)
                     messages.append({"role": "tool", "tool_call_id": c.id, "content": out})

@@ -150,12 +150,19 @@ def cancel_pending_order(db, order_id: str, reason: str):
     return o
 
 
-def modify_pending_order_address(db, order_id: str, address1: str, address2: str, city: str, state: str,
-                                 country: str, zip: str):  # fmt: skip
+def modify_pending_order_address(
+    db, order_id: str, address1: str, address2: str, city: str, state: str, country: str, zip: str
+):
     """Change the shipping address of a pending order."""
     o = _order(db, order_id, "pending")
-    o["address"] = {"address1": address1, "address2": address2, "city": city, "country": country, "state": state,
-                    "zip": zip}  # fmt: skip
+    o["address"] = {
+        "address1": address1,
+        "address2": address2,
+        "city": city,
+        "country": country,
+        "state": state,
+        "zip": zip,
+    }
     return o
 
 
@@ -193,12 +200,17 @@ def modify_pending_order_payment(db, order_id: str, payment_method_id: str):
     return o
 
 
-def modify_user_address(db, user_id: str, address1: str, address2: str, city: str, state: str, country: str,
-                        zip: str):  # fmt: skip
+def modify_user_address(db, user_id: str, address1: str, address2: str, city: str, state: str, country: str, zip: str):
     """Change a user's default address."""
     _need(user_id in db["users"], "user not found")
-    db["users"][user_id]["address"] = {"address1": address1, "address2": address2, "city": city,
-                                       "country": country, "state": state, "zip": zip}  # fmt: skip
+    db["users"][user_id]["address"] = {
+        "address1": address1,
+        "address2": address2,
+        "city": city,
+        "country": country,
+        "state": state,
+        "zip": zip,
+    }
     return db["users"][user_id]
 
 
@@ -207,8 +219,10 @@ def return_delivered_order_items(db, order_id: str, item_ids: list, payment_meth
     o = _order(db, order_id, "delivered")
     pm = _payment_method(db, o["user_id"], payment_method_id)
     original = o["payment_history"][0]["payment_method_id"]
-    _need(pm["source"] == "gift_card" or payment_method_id == original,
-          "refunds go to the original payment method or a gift card")  # fmt: skip
+    _need(
+        pm["source"] == "gift_card" or payment_method_id == original,
+        "refunds go to the original payment method or a gift card",
+    )
     ids = [it["item_id"] for it in o["items"]]
     for i in item_ids:
         _need(i in ids, f"item {i} not found in the order")
@@ -228,8 +242,13 @@ def exchange_delivered_order_items(db, order_id: str, item_ids: list, new_item_i
     pm = _payment_method(db, o["user_id"], payment_method_id)
     if pm["source"] == "gift_card":
         _need(pm["balance"] >= diff, "insufficient gift card balance")
-    o.update(status="exchange requested", exchange_items=sorted(item_ids), exchange_new_items=sorted(new_item_ids),
-             exchange_payment_method_id=payment_method_id, exchange_price_difference=diff)  # fmt: skip
+    o.update(
+        status="exchange requested",
+        exchange_items=sorted(item_ids),
+        exchange_new_items=sorted(new_item_ids),
+        exchange_payment_method_id=payment_method_id,
+        exchange_price_difference=diff,
+    )
     return o
 
 
@@ -250,8 +269,12 @@ def _on(flight: dict, date: str) -> dict | None:
     if d is None or d.get("status") != "available":
         return None
     keep = ("flight_number", "origin", "destination", "scheduled_departure_time_est", "scheduled_arrival_time_est")
-    return {**{k: flight[k] for k in keep}, "date": date, "available_seats": d["available_seats"],
-            "prices": d["prices"]}  # fmt: skip
+    return {
+        **{k: flight[k] for k in keep},
+        "date": date,
+        "available_seats": d["available_seats"],
+        "prices": d["prices"],
+    }
 
 
 def search_direct_flight(db, origin: str, destination: str, date: str):
@@ -285,8 +308,15 @@ def _flight_prices(db, flights: list, cabin: str) -> list[dict]:
         d = _on(f, leg["date"])
         _need(d is not None, f"flight {leg['flight_number']} is not available on {leg['date']}")
         _need(cabin in d["prices"], f"unknown cabin {cabin!r}")
-        out.append({"flight_number": f["flight_number"], "origin": f["origin"], "destination": f["destination"],
-                    "date": leg["date"], "price": d["prices"][cabin]})  # fmt: skip
+        out.append(
+            {
+                "flight_number": f["flight_number"],
+                "origin": f["origin"],
+                "destination": f["destination"],
+                "date": leg["date"],
+                "price": d["prices"][cabin],
+            }
+        )
     return out
 
 
@@ -301,9 +331,20 @@ def _pay(db, user: dict, payment_id: str, amount: float) -> None:
             pm["amount"] = round(pm["amount"] - amount, 2)
 
 
-def book_reservation(db, user_id: str, origin: str, destination: str, flight_type: str, cabin: str, flights: list,
-                     passengers: list, payment_methods: list, total_baggages: int, nonfree_baggages: int,
-                     insurance: str):  # fmt: skip
+def book_reservation(
+    db,
+    user_id: str,
+    origin: str,
+    destination: str,
+    flight_type: str,
+    cabin: str,
+    flights: list,
+    passengers: list,
+    payment_methods: list,
+    total_baggages: int,
+    nonfree_baggages: int,
+    insurance: str,
+):
     """Book a reservation; payments must add up to the total price."""
     _need(user_id in db["users"], "user not found")
     user = db["users"][user_id]
@@ -311,17 +352,30 @@ def book_reservation(db, user_id: str, origin: str, destination: str, flight_typ
     total = (
         len(passengers) * (sum(x["price"] for x in legs) + (30 if insurance == "yes" else 0)) + 50 * nonfree_baggages
     )
-    _need(round(sum(p["amount"] for p in payment_methods), 2) == round(total, 2),
-          f"the payments add up to {sum(p['amount'] for p in payment_methods)}, the price is {total}")  # fmt: skip
+    _need(
+        round(sum(p["amount"] for p in payment_methods), 2) == round(total, 2),
+        f"the payments add up to {sum(p['amount'] for p in payment_methods)}, the price is {total}",
+    )
     for p in payment_methods:
         _pay(db, user, p["payment_id"], p["amount"])
     rid = "HATHAT"
     while rid in db["reservations"]:
         rid = rid[:-1] + chr(ord(rid[-1]) + 1)
-    res = {"reservation_id": rid, "user_id": user_id, "origin": origin, "destination": destination,
-           "flight_type": flight_type, "cabin": cabin, "flights": legs, "passengers": passengers,
-           "payment_history": payment_methods, "created_at": "2024-05-15T15:00:00",
-           "total_baggages": total_baggages, "nonfree_baggages": nonfree_baggages, "insurance": insurance}  # fmt: skip
+    res = {
+        "reservation_id": rid,
+        "user_id": user_id,
+        "origin": origin,
+        "destination": destination,
+        "flight_type": flight_type,
+        "cabin": cabin,
+        "flights": legs,
+        "passengers": passengers,
+        "payment_history": payment_methods,
+        "created_at": "2024-05-15T15:00:00",
+        "total_baggages": total_baggages,
+        "nonfree_baggages": nonfree_baggages,
+        "insurance": insurance,
+    }
     db["reservations"][rid] = res
     user["reservations"].append(rid)
     return res
@@ -336,8 +390,7 @@ def cancel_reservation(db, reservation_id: str):
     return r
 
 
-def update_reservation_baggages(db, reservation_id: str, total_baggages: int, nonfree_baggages: int,
-                                payment_id: str):  # fmt: skip
+def update_reservation_baggages(db, reservation_id: str, total_baggages: int, nonfree_baggages: int, payment_id: str):
     """Change the baggage of a reservation; added non-free bags cost 50 each."""
     r = get_reservation_details(db, reservation_id)
     _need(total_baggages >= r["total_baggages"], "bags can be added, not removed")
@@ -382,14 +435,39 @@ def send_certificate(db, user_id: str, amount: float):
     return f"Certificate certificate_{n} added to user {user_id} with amount {amount}."
 
 
-RETAIL = [calculate, transfer_to_human_agents, find_user_id_by_email, find_user_id_by_name_zip, get_user_details,
-          get_order_details, get_product_details, get_item_details, list_all_product_types, cancel_pending_order,
-          modify_pending_order_address, modify_pending_order_items, modify_pending_order_payment,
-          modify_user_address, return_delivered_order_items, exchange_delivered_order_items]  # fmt: skip
-AIRLINE = [calculate, transfer_to_human_agents, get_user_details, get_reservation_details, list_all_airports,
-           search_direct_flight, search_onestop_flight, book_reservation, cancel_reservation,
-           update_reservation_baggages, update_reservation_flights, update_reservation_passengers,
-           send_certificate]  # fmt: skip
+RETAIL = [
+    calculate,
+    transfer_to_human_agents,
+    find_user_id_by_email,
+    find_user_id_by_name_zip,
+    get_user_details,
+    get_order_details,
+    get_product_details,
+    get_item_details,
+    list_all_product_types,
+    cancel_pending_order,
+    modify_pending_order_address,
+    modify_pending_order_items,
+    modify_pending_order_payment,
+    modify_user_address,
+    return_delivered_order_items,
+    exchange_delivered_order_items,
+]
+AIRLINE = [
+    calculate,
+    transfer_to_human_agents,
+    get_user_details,
+    get_reservation_details,
+    list_all_airports,
+    search_direct_flight,
+    search_onestop_flight,
+    book_reservation,
+    cancel_reservation,
+    update_reservation_baggages,
+    update_reservation_flights,
+    update_reservation_passengers,
+    send_certificate,
+]
 DOMAINS = {"retail": {f.__name__: f for f in RETAIL}, "airline": {f.__name__: f for f in AIRLINE}}
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", list: "array", dict: "object"}
@@ -409,8 +487,14 @@ def schema(fn, skip: int = 1) -> dict:
             }
         required.append(name)
     doc = (fn.__doc__ or fn.__name__).strip()
-    return {"type": "function", "function": {"name": fn.__name__, "description": doc,
-            "parameters": {"type": "object", "properties": props, "required": required}}}  # fmt: skip
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": doc,
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
 
 
 def call(domain: str, db: dict, name: str, args: dict):

@@ -26,9 +26,16 @@ from pyarrow import fs as pafs
 
 from dspine.agents.base import TraceRow
 
-_TYPES = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
-          "list[int]": pa.list_(pa.int64()), "str | None": pa.string(), "float | None": pa.float64(),
-          "bool | None": pa.bool_()}  # fmt: skip
+_TYPES = {
+    "str": pa.string(),
+    "int": pa.int64(),
+    "float": pa.float64(),
+    "bool": pa.bool_(),
+    "list[int]": pa.list_(pa.int64()),
+    "str | None": pa.string(),
+    "float | None": pa.float64(),
+    "bool | None": pa.bool_(),
+}
 SCHEMA = pa.schema([pa.field(f.name, _TYPES[str(f.type)]) for f in fields(TraceRow)])
 
 
@@ -131,17 +138,33 @@ def export_store(db: str, out: str) -> dict[str, int]:
         hist = r["accept_hist"]
         by_workload[r["workload"]].append(
             TraceRow(
-                episode_id=ep, task_id=r["task_id"] or "", workload=r["workload"], thinking=r["thinking"],
-                turn=turns[ep], request_id=r["request_id"], messages=r["messages"], tools=r["tools"],
-                prompt_token_ids=r["prompt_token_ids"], completion_token_ids=r["completion_token_ids"],
-                has_token_ids=True, completion_text=r["completion_text"] or "", tool_calls=r["tool_calls"],
-                finish_reason=r["finish_reason"] or "", prompt_tokens=r["prompt_tokens"] or 0,
-                completion_tokens=r["completion_tokens"] or 0, accept_hist=hist,
-                tau=AcceptanceStats(len(hist), hist).tau if hist else None, sampling=r["sampling"],
-                target=r["model"], drafter=r["drafter"], chat_template_sha256=None, latency_s=r["latency_s"] or 0.0,
-                ts=r["ts"], termination="proxy",
+                episode_id=ep,
+                task_id=r["task_id"] or "",
+                workload=r["workload"],
+                thinking=r["thinking"],
+                turn=turns[ep],
+                request_id=r["request_id"],
+                messages=r["messages"],
+                tools=r["tools"],
+                prompt_token_ids=r["prompt_token_ids"],
+                completion_token_ids=r["completion_token_ids"],
+                has_token_ids=True,
+                completion_text=r["completion_text"] or "",
+                tool_calls=r["tool_calls"],
+                finish_reason=r["finish_reason"] or "",
+                prompt_tokens=r["prompt_tokens"] or 0,
+                completion_tokens=r["completion_tokens"] or 0,
+                accept_hist=hist,
+                tau=AcceptanceStats(len(hist), hist).tau if hist else None,
+                sampling=r["sampling"],
+                target=r["model"],
+                drafter=r["drafter"],
+                chat_template_sha256=None,
+                latency_s=r["latency_s"] or 0.0,
+                ts=r["ts"],
+                termination="proxy",
             )
-        )  # fmt: skip
+        )
         turns[ep] += 1
     st = Store(out)
     for w, rows in by_workload.items():

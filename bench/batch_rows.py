@@ -69,13 +69,22 @@ def main() -> None:
     for (N, k), t in times.items():
         ms = {p: 1000 * statistics.median(v) if v else 0.0 for p, v in t.items()}
         ar = 1000 * statistics.median(times[(N, 0)]["verify"]) if (N, 0) in times else None
-        cells.append({"batch": N, "drafts": k, "rows": N * (k + 1), "verify_ms": ms["verify"], "draft_ms": ms["draft"],
-                      "break_even_tau": (ms["verify"] + ms["draft"]) / ar if ar else None})  # fmt: skip
+        cells.append(
+            {
+                "batch": N,
+                "drafts": k,
+                "rows": N * (k + 1),
+                "verify_ms": ms["verify"],
+                "draft_ms": ms["draft"],
+                "break_even_tau": (ms["verify"] + ms["draft"]) / ar if ar else None,
+            }
+        )
     doc = {"cells": cells, "context": a.context, "draft_dtype": a.draft_dtype, "repeats": a.repeats, **provenance()}
     head = ["N", "k", "target rows", "verify ms", "draft ms", "break-even τ"]
     even = lambda c: f"{c['break_even_tau']:.2f}" if c["drafts"] and c["break_even_tau"] else "—"
-    rows = [[c["batch"], c["drafts"], c["rows"], f"{c['verify_ms']:.1f}", f"{c['draft_ms']:.1f}", even(c)]
-            for c in cells]  # fmt: skip
+    rows = [
+        [c["batch"], c["drafts"], c["rows"], f"{c['verify_ms']:.1f}", f"{c['draft_ms']:.1f}", even(c)] for c in cells
+    ]
     table = md_table(head, rows) + f"\ncontext {a.context}, drafter {a.draft_dtype}, {doc['hardware']}, "
     table += f"{doc['git_sha']}\n"
     print(table)

@@ -112,8 +112,15 @@ def main() -> int:
                 "head_topk_fused": lambda: fused_top_candidates(slots.view(-1, d), head, K),
                 "head_topk_tiled": lambda: tiled_top_candidates(slots.view(-1, d), head, K),
             }
-            row = {"dtype": dt, "batch": N, "block": B, "top_k": K, "layers": a.layers, "hidden": d,
-                   "injection_path": injection_variant(width=d)}  # fmt: skip
+            row = {
+                "dtype": dt,
+                "batch": N,
+                "block": B,
+                "top_k": K,
+                "layers": a.layers,
+                "hidden": d,
+                "injection_path": injection_variant(width=d),
+            }
             with torch.no_grad():
                 for name, fn in variants.items():
                     row[f"{name}_launch_ms"] = timed(fn)

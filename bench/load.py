@@ -61,8 +61,12 @@ def main() -> int:
     ap.add_argument("--start", action="store_true", help="start the server and the proxy here (127.0.0.1)")
     ap.add_argument("--drafter", default="builtin", help="drafter of the started server ('none': AR; default builtin)")
     ap.add_argument("--max-batch", type=int, default=8, help="the started server's --max-batch")
-    ap.add_argument("--scenarios", type=lambda s: [parse_scenario(x) for x in s.split(",")], default="32,32+4,64",
-                    help="S or S+L client counts, comma-separated (default: %(default)s)")  # fmt: skip
+    ap.add_argument(
+        "--scenarios",
+        type=lambda s: [parse_scenario(x) for x in s.split(",")],
+        default="32,32+4,64",
+        help="S or S+L client counts, comma-separated (default: %(default)s)",
+    )
     ap.add_argument("--seconds", type=float, default=60.0, help="each scenario's duration")
     ap.add_argument("--max-tokens", type=int, default=16, help="short requests' max_tokens")
     ap.add_argument("--out", help="JSON result file")
@@ -82,8 +86,12 @@ def main() -> int:
             drafter = None if a.drafter == "none" else a.drafter
             srv, backend = start_server_process(drafter, "backend", log=log, extra=["--max-batch", str(a.max_batch)])
             procs.append(lambda: (srv.terminate(), srv.wait(timeout=60)))
-            cfg = ProxyConfig(backends=[Backend(a.model, backend + "/v1", "backend")], port=free_port(),
-                              db=str(work / "acceptance.db"), workdir=str(work / "litellm"))  # fmt: skip
+            cfg = ProxyConfig(
+                backends=[Backend(a.model, backend + "/v1", "backend")],
+                port=free_port(),
+                db=str(work / "acceptance.db"),
+                workdir=str(work / "litellm"),
+            )
             proxy_proc = start_proxy(cfg, key=key, log=log)
             procs.append(lambda: stop_proxy(proxy_proc))
             proxy, db = f"http://127.0.0.1:{cfg.port}", cfg.db
@@ -105,22 +113,56 @@ def main() -> int:
         ok = b is not None and b["p50_ms"] and r["p50_ms"]
         r["p50_ratio"] = r["p50_ms"] / b["p50_ms"] if ok else None
         r["p99_ratio"] = r["p99_ms"] / b["p99_ms"] if ok else None
-    res = {"scenarios": runs, "max_batch": a.max_batch, **provenance(),
-           "backend": f"dspine serve (embedded engine, CPU), drafter {a.drafter}"}  # fmt: skip
+    res = {
+        "scenarios": runs,
+        "max_batch": a.max_batch,
+        **provenance(),
+        "backend": f"dspine serve (embedded engine, CPU), drafter {a.drafter}",
+    }
     f = lambda v, d=0: "—" if v is None else f"{v:.{d}f}"
-    header = ["short", "long", "completed", "errors", "lost", "p50 ms", "p99 ms", "p50 ×", "p99 ×", "req/s",
-              "long tokens"]  # fmt: skip
-    rows = [[r["clients"], r["long_clients"], r["completed"], r["errors"], r["lost"], f(r["p50_ms"]), f(r["p99_ms"]),
-             f(r["p50_ratio"], 2), f(r["p99_ratio"], 2), f(r["requests_per_s"], 2),
-             ",".join(str(t) for t in r["long_tokens"]) or "—"] for r in runs]  # fmt: skip
+    header = [
+        "short",
+        "long",
+        "completed",
+        "errors",
+        "lost",
+        "p50 ms",
+        "p99 ms",
+        "p50 ×",
+        "p99 ×",
+        "req/s",
+        "long tokens",
+    ]
+    rows = [
+        [
+            r["clients"],
+            r["long_clients"],
+            r["completed"],
+            r["errors"],
+            r["lost"],
+            f(r["p50_ms"]),
+            f(r["p99_ms"]),
+            f(r["p50_ratio"], 2),
+            f(r["p99_ratio"], 2),
+            f(r["requests_per_s"], 2),
+            ",".join(str(t) for t in r["long_tokens"]) or "—",
+        ]
+        for r in runs
+    ]
     print(md_table(header, rows))
     if a.out:
         atomic_write_text(Path(a.out), json.dumps(res, indent=1) + "\n")
         atomic_write_text(Path(a.out).with_suffix(".md"), md_table(header, rows) + "\n")
     if a.summary:
         keep = ("clients", "long_clients", "completed", "errors", "lost", "p50_ms", "p99_ms", "p50_ratio", "p99_ratio")
-        update_summary(a.summary, "load", {"scenarios": [{k: r[k] for k in keep} for r in runs],
-                                           **{k: res[k] for k in ("git_sha", "hardware", "command")}})  # fmt: skip
+        update_summary(
+            a.summary,
+            "load",
+            {
+                "scenarios": [{k: r[k] for k in keep} for r in runs],
+                **{k: res[k] for k in ("git_sha", "hardware", "command")},
+            },
+        )
     return 0 if all(r["errors"] == 0 and r["lost"] == 0 for r in runs) else 1
 
 

@@ -146,8 +146,16 @@ def main() -> int:
     samples, _ = split_heldout(samples, cfg.heldout, cfg.train.seed, cfg.train.max_len, added)
     if a.compare:
         rows = compare(target, samples, cfg, batches[0], a.steps, a.warmup)
-        table = [[r["variant"], f"{r['s_per_step']:.3f}", f"{r['seqs_per_s']:.1f}", f"{r['vs_reference']:.2f}",
-                  f"{r['peak_gib']:.1f}"] for r in rows]  # fmt: skip
+        table = [
+            [
+                r["variant"],
+                f"{r['s_per_step']:.3f}",
+                f"{r['seqs_per_s']:.1f}",
+                f"{r['vs_reference']:.2f}",
+                f"{r['peak_gib']:.1f}",
+            ]
+            for r in rows
+        ]
         print(md_table(["variant", "s/step", "sequences/s", "× reference speed", "peak GiB"], table))
         if a.out:
             doc = {"rows": rows, "batch_size": batches[0], "drafters": list(cfg.variants()), **provenance()}
@@ -164,10 +172,15 @@ def main() -> int:
             torch.cuda.empty_cache()
     base = rows[0]["seqs_per_s"]
     table = [
-        [r["batch_size"], f"{r['s_per_step']:.3f}", f"{r['seqs_per_s']:.1f}", f"{r['seqs_per_s'] / base:.2f}",
-         f"{r['peak_gib']:.1f}"]
+        [
+            r["batch_size"],
+            f"{r['s_per_step']:.3f}",
+            f"{r['seqs_per_s']:.1f}",
+            f"{r['seqs_per_s'] / base:.2f}",
+            f"{r['peak_gib']:.1f}",
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     print(md_table(["batch", "s/step", "sequences/s", "vs first", "peak GiB"], table), file=sys.stderr)
     if a.profile:
         print(profile(target, samples, cfg, batches[0]), file=sys.stderr)

@@ -304,11 +304,11 @@ def draft_dtype(name: str | None, target_dtype: torch.dtype, device: str | torch
 
 def load_models(target_spec: str, dtype: str, device: str, drafters: dict, drafter_dtype: str | None = None) -> tuple:
     """-> (the target, {name: drafter bound to it}) from a target spec, a dtype name, a device and
-    {name: checkpoint folder, or (folder, decode knobs) as `load_at` takes}; `drafter_dtype` as `draft_dtype`
-    takes it (None: the target's)."""
+    {name: checkpoint folder, or (folder, decode knobs) as `load_at` takes, or None (no model drafter: suffix
+    drafting alone)}; `drafter_dtype` as `draft_dtype` takes it (None: the target's)."""
     from dspine.target import load_target
 
     dt = getattr(torch, dtype)
     target = load_target(target_spec, dtype=dt, device=device)
     ddt = draft_dtype(drafter_dtype, dt, device)
-    return target, {n: load_at(p, target, ddt, device) for n, p in drafters.items()}
+    return target, {n: load_at(p, target, ddt, device) if p is not None else None for n, p in drafters.items()}

@@ -21,11 +21,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dspine.decoding import DraftTree, propose, propose_tree
-from dspine.drafter import DSpineDraftModel, block_attention_mask
+from dspine.decoding import DraftTree, Proposal, merge_drafts, propose, propose_tree, tree_depths, tree_mask
+from dspine.drafter import block_attention_mask
 from dspine.sampling import RequestError, SamplingParams, penalize, warp_probs
+from dspine.state import (
+    DraftContext,
+    GenerationResult,
+    PhaseClock,
+    Stopper,
+    logprob_of,
+    new_generator,
+    pad_columns,
+    prefill,
+    stack_caches,
+)
 from dspine.stats import AcceptanceStats
-from dspine.target import Target
+from dspine.suffix import RequestSuffix
 from dspine.verify import verify_chain, verify_forced, verify_tree_greedy, verify_tree_sampled
 
 if TYPE_CHECKING:
@@ -33,205 +44,32 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" | "length" | "abort"
-    prompt_tokens: int
-    method: str
-    stats: AcceptanceStats | None = None
-    seconds: float = 0.0
-    timings: dict = field(default_factory=dict)
-    batch_size: int = 1  # the most rows decoded together with this one
-    # with params.logprobs: per token, (its log-probability, [(token id, log-probability)] of the top k)
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+class _Plan:
+    """What a round drafts: "ar" (nothing), "chain" (k drafts per row, `suffix[i]` replacing row i's drafter chain
+    where given), or "tree" (a single row: the drafter's `tree` when `drafter` runs, merged with the suffix draft)."""
 
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-class Stopper:
-    """Appends tokens one at a time and decides when generation ends, identically for every method."""
-
-    def __init__(self, target: Target, params: SamplingParams, on_token=None):
-        self.target, self.params, self.on_token = target, params, on_token
-        self.eos = set() if params.ignore_eos else target.eos_token_ids
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.text: str | None = None
-        self.logprobs: list | None = [] if params.logprobs is not None else None
-
-    def push(self, tok: int, logprob=None) -> bool:
-        if tok in self.eos:
-            self.finish_reason = "stop"
-            return True
-        self.tokens.append(tok)
-        if self.logprobs is not None:
-            self.logprobs.append(logprob)
-        if self.params.stop:
-            text = self.target.decode(self.tokens)
-            hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
-            if hits:
-                self.text, self.finish_reason = text[: min(hits)], "stop"
-                return True
-        # after the stop-string check, so a stream never shows the stop string
-        if self.on_token is not None and self.on_token(tok) is False:  # the client went away
-            self.finish_reason = "abort"
-            return True
-        if len(self.tokens) >= self.params.max_tokens:
-            self.finish_reason = "length"
-            return True
-        return False
-
-    def result_text(self) -> str:
-        return self.text if self.text is not None else self.target.decode(self.tokens)
-
-
-class PhaseClock:
-    """Seconds per phase of a batch's rounds (prefill, draft, propose, verify, commit, ar_step), the device
-    synchronised at each boundary (off: no cost)."""
-
-    def __init__(self, device: torch.device, on: bool):
-        self.on, self.cuda = on, device.type == "cuda"
-        self.totals: dict[str, float] = {}
-        self._t = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        if not self.on:
-            return
-        if self.cuda:
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.totals[phase] = self.totals.get(phase, 0.0) + now - self._t
-        self._t = now
-
-
-def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    return gen
-
-
-class TreeProfile:
-    """How often each node of the engine's draft tree was accepted, over its tree rounds (`DraftTree.prune`
-    turns the rates into a smaller tree)."""
-
-    def __init__(self, nodes: int):
-        self.accepted, self.rounds = [0] * nodes, 0
-
-    def record(self, path: list[int]) -> None:
-        self.rounds += 1
-        for i in path:
-            self.accepted[i] += 1
-
-    @property
-    def rates(self) -> list[float]:
-        return [a / max(self.rounds, 1) for a in self.accepted]
-
-
-class DraftContext:
-    """The drafter's per-layer context K/V for committed positions (grows; block K/V are never kept). Features
-    extended `lazy` (rounds that do not draft) wait, and are projected in one call when `kv` is next read — by
-    the drafter, or to move the columns — so a batch that decodes AR for a while pays nothing per round."""
-
-    def __init__(self, drafter: DSpineDraftModel):
-        self.drafter = drafter
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._waiting: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def extend(self, feats: torch.Tensor, pos: torch.Tensor, lazy: bool = False) -> None:
-        """feats (N, n, m*d), pos (N, n)."""
-        self._waiting.append((feats, pos))
-        if not lazy:
-            self.project()
-
-    def project(self) -> None:
-        """Project the waiting columns now."""
-        if not self._waiting:
-            return
-        feats, pos = (torch.cat(x, 1) for x in zip(*self._waiting))
-        self._waiting = []
-        new = self.drafter.context_kv(feats, pos)
-        if self._kv is None:
-            self._kv = new
-        else:
-            self._kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self._kv, new)]
-
-    @property
-    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Per layer (k, v) each (N, Hkv, C, hd), every extended column included."""
-        self.project()
-        return self._kv
-
-    @kv.setter
-    def kv(self, value: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if self._waiting:
-            raise RuntimeError("the context's waiting columns must be projected before its K/V are replaced")
-        self._kv = value
-
-
-_PREFILL_MIN = 32  # a prompt shorter than this costs a forward about what one of this length does (weights stream)
-
-
-def _prefill(tgt: Target, ids: list[list[int]], layer_ids):
-    """Prompts -> (target cache, valid (N, L), logits at each prompt's last token (N, V), the layer features
-    (N, L, F) or None). One forward over the prompts padded to the longest, or, where that padding would cost
-    more than the extra forwards, one forward per prompt and the caches padded together with masked columns."""
-    N, lens, dev = len(ids), [len(x) for x in ids], tgt.device
-    L = max(lens)
-    valid = torch.arange(L, device=dev)[None] < torch.tensor(lens, device=dev)[:, None]
-    last = torch.tensor(lens, device=dev) - 1
-    if N == 1 or sum(max(n, _PREFILL_MIN) for n in lens) >= N * L:
-        cache, pos = tgt.new_cache(), torch.arange(L, device=dev).expand(N, L)
-        inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
-        logits, feats = tgt.forward(inp, cache, layer_ids, valid.long(), pos, logits_at=last)
-        return cache, valid, logits[:, 0], feats
-    caches, logits, feats = [], [], []
-    for x, at in zip(ids, last):
-        caches.append(tgt.new_cache())
-        lg, ft = tgt.forward(torch.tensor([x], device=dev), caches[-1], layer_ids, logits_at=at[None])
-        logits.append(lg[:, 0])
-        feats.append(ft)
-    feats = torch.cat([_pad_columns(f, L) for f in feats]) if layer_ids is not None else None
-    return _stack_caches(caches, L), valid, torch.cat(logits), feats
-
-
-def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
-    """t (..., C, x) -> (..., width, x), zeros after: a cache's or a feature tensor's columns (masked)."""
-    return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[-2]))
-
-
-def _stack_caches(caches: list, width: int):
-    """Target caches of rows side by side -> the first, holding every row (layers' (N, H, C, hd)), each
-    padded to `width` columns."""
-    first = caches[0]
-    for j, layer in enumerate(first.layers):
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = torch.cat([_pad_columns(c.layers[j].keys, width) for c in caches])
-            layer.values = torch.cat([_pad_columns(c.layers[j].values, width) for c in caches])
-    return first
-
-
-def _logprob(raw: torch.Tensor, tok: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """raw logits (V,) -> (log p(tok), the top k as (id, log p)) of the target's own distribution."""
-    lsm = raw.float().log_softmax(-1)
-    top = lsm.topk(k) if k else None
-    return float(lsm[tok]), (list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
+    mode: str
+    k: int = 0
+    tree: DraftTree | None = None
+    drafter: bool = False
+    suffix: list = field(default_factory=list)  # per row: a SuffixDraft, or None
+    room: int = 0  # how deep a tree round's nodes may lie (the window)
 
 
 @dataclass
 class _Round:
     """What a round feeds the target: tokens (N, n), positions (N, n), the attention mask (None: causal over the
-    whole cache) and the drafts — a chain's Proposal, or a tree's node tokens and proposals."""
+    whole cache) and the drafts — a chain's Proposal, or a tree's node tokens, proposals and parents."""
 
     feed: torch.Tensor
     pos: torch.Tensor
     att: torch.Tensor | None
-    prop: object = None  # decoding.Proposal of a chain round
-    tree: DraftTree | None = None
+    prop: Proposal | None = None  # a chain round's drafts
     nodes: list[int] | None = None  # a tree round's node tokens
-    q: list | None = None  # their proposals (sampling)
+    q: list | None = None  # their proposals (None: deterministic)
+    parents: list[int] | None = None
+    static: int = 0  # how many of the nodes are the drafter's static tree's (TreeProfile)
+    drafted: bool = False  # the drafter ran this round
 
 
 class BatchDecode:
@@ -259,7 +97,7 @@ class BatchDecode:
     `profile`: each result's `timings` holds the batch's seconds per phase (PhaseClock), the device synchronised
     at each boundary — slower, for benchmarks only."""
 
-    _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished", "forced", "accept")  # per row
+    _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished", "forced", "accept", "suffix")
 
     @torch.no_grad()
     def __init__(
@@ -271,6 +109,7 @@ class BatchDecode:
         tags=None,
         forced=None,
         profile: bool = False,
+        workloads: list[str] | None = None,
     ):
         per_row = params if isinstance(params, list) else [params] * len(prompts)
         rows = [(p or SamplingParams()).validate() for p in per_row]
@@ -294,12 +133,18 @@ class BatchDecode:
         self.t0 = [time.perf_counter()] * N
         self.layer_ids = drafter.config.target_layer_ids if drafter is not None else None
         self.B = drafter.config.block_size if drafter is not None else 1
-        self.stats = [AcceptanceStats(self.B) if drafter is not None else None for _ in range(N)]
+        hist = max(self.B, engine.suffix.max_depth + 1 if engine.suffix is not None else 0)  # accepted drafts + 1
+        self.stats = [AcceptanceStats(hist) if engine.speculative else None for _ in range(N)]
+        workloads = workloads or ["default"] * N
+        self.suffix = [
+            RequestSuffix(x, engine.suffix, engine.corpus, w) if engine.suffix is not None else None
+            for x, w in zip(ids, workloads)
+        ]
         self.accept = [engine.policy.new_row() if engine.policy is not None else None for _ in range(N)]
         self.stops = [Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
         V = tgt.info.vocab_size
         self.counts = torch.zeros(N, V, device=dev) if any(r.penalized for r in rows) else None  # output tokens
-        self.cache, self.valid, last, feats = _prefill(tgt, ids, self.layer_ids)  # valid (N, L)
+        self.cache, self.valid, last, feats = prefill(tgt, ids, self.layer_ids)  # valid (N, L)
         self.dense = N == 1  # every cache column committed: rounds need no mask
         pos = torch.arange(self.width, device=dev).expand(N, -1)
         self.committed = torch.tensor(self.lens, device=dev)  # tokens each row has in its cache = the anchor's position
@@ -331,7 +176,9 @@ class BatchDecode:
     def _push(self, i: int, tok: int, raw: torch.Tensor) -> bool:
         """Commit `tok` to row i; raw (V,): the target's logits it was chosen from."""
         stop = self.stops[i]
-        lp = _logprob(raw, tok, stop.params.logprobs) if stop.params.logprobs is not None else None
+        if self.suffix[i] is not None:
+            self.suffix[i].push([tok])
+        lp = logprob_of(raw, tok, stop.params.logprobs) if stop.params.logprobs is not None else None
         if self.counts is not None:
             self.counts[i, tok] += 1
         return stop.push(tok, lp)
@@ -345,17 +192,18 @@ class BatchDecode:
         self._end_at_window()
         if self.done:
             return
-        tree, k = self._plan()
+        plan = self._plan()
         t_round = time.perf_counter()
-        rnd = self._draft(tree, k)
-        drafting = tree is not None or k > 0
-        logits, feats = self.engine.target.forward(rnd.feed, self.cache, self.layer_ids, rnd.att, rnd.pos)
+        rnd = self._draft(plan)
+        drafting = plan.mode != "ar"
+        layer_ids = self.layer_ids if self.drafter is not None else None
+        logits, feats = self.engine.target.forward(rnd.feed, self.cache, layer_ids, rnd.att, rnd.pos)
         if drafting:
             self.clock.lap("verify")
-        if tree is not None:
+        if plan.mode == "tree":
             self._commit_tree(rnd, logits, feats)
         else:
-            self._commit_chain(rnd, logits, feats, k, time.perf_counter() - t_round)
+            self._commit_chain(rnd, logits, feats, plan.k, time.perf_counter() - t_round)
         self.clock.lap("commit" if drafting else "ar_step")  # acceptance test, cache, drafter context, stop checks
 
     def _end_at_window(self) -> None:
@@ -365,70 +213,127 @@ class BatchDecode:
             if e and not self.finished[i]:
                 self.stops[i].finish_reason, self.finished[i] = "length", True
 
-    def _plan(self) -> tuple[DraftTree | None, int]:
-        """This round's drafts: (the engine's tree, 0) for a single open request that may use it, else (None, k) —
-        k drafts in a chain, 0 for an AR round (no drafter, a batch over `spec_max_batch`, the goodput policy's
-        choice, or drafter slots that would reach past the window for some open row)."""
-        engine = self.engine
-        if self.drafter is None:
-            return None, 0
+    def _plan(self) -> _Plan:
+        """This round's drafts. A single open request that may use a tree (no penalties, not forced) gets a tree
+        round when the engine has a tree or suffix drafting; otherwise a chain of k drafts per row, k = 0 (an AR
+        round) without a drafter or suffix, for a batch over `spec_max_batch`, by the goodput policy's choice, or
+        where drafter slots would reach past the window for some open row."""
+        engine, drafter = self.engine, self.drafter
+        if not engine.speculative:
+            return _Plan("ar")
         open_rows = [i for i, f in enumerate(self.finished) if not f]
         if engine.spec_max_batch is not None and len(open_rows) > engine.spec_max_batch:
-            return None, 0
-        tree = None
-        if engine.tree is not None and len(self) == 1 and self.counts is None and self.forced[0] is None:
-            tree, k, slots = engine.tree, 0, engine.tree.depth + 1
-        else:
+            return _Plan("ar")
+        top = int(self.committed[open_rows].max())
+        room = engine.max_positions - 1 - top  # the deepest draft position that fits the window
+        single = len(self) == 1 and self.counts is None and self.forced[0] is None
+        if single and (engine.tree is not None or engine.suffix is not None):
+            sd = self.suffix[0].draft() if engine.suffix is not None else None
+            static = engine.tree or (DraftTree.parse("0" * engine.draft_len) if drafter is not None else None)
+            run = static is not None and not (sd and sd.expected_tokens() >= engine.suffix.skip_drafter_tokens)
+            run = run and static.depth <= room  # the drafter's slots within the window
+            if not run and not sd:
+                return _Plan("ar")
+            if run:
+                self.ctx.project()  # columns waiting from earlier rounds: their cost is not this round's
+            return _Plan("tree", tree=static if run else None, drafter=run, suffix=[sd], room=room)
+        k, suffix = 0, [None] * len(self)
+        if engine.suffix is not None:
+            suffix = [self.suffix[i].draft() if not self.finished[i] else None for i in range(len(self))]
+        if drafter is not None:
             k = engine.draft_len
             if engine.policy is not None:
                 k = engine.policy.choose([self.accept[i] for i in open_rows], len(self))
             slots = engine.draft_block - engine.draft_len + k
-        if (tree is None and k == 0) or int(self.committed[open_rows].max()) + slots > engine.max_positions:
-            return None, 0
-        self.ctx.project()  # columns waiting from AR rounds: their cost is not this round's
-        return tree, k
+            if k and top + slots > engine.max_positions:
+                k = 0
+            if k:
+                self.ctx.project()
+                # a row takes the suffix's chain where it reaches k drafts and expects more than one accepted
+                fits = [bool(sd) and len(sd.best_path()) >= k and sd.expected_tokens() > 1 for sd in suffix]
+                suffix = [sd if ok else None for sd, ok in zip(suffix, fits)]
+            return _Plan("chain" if k else "ar", k=k, drafter=k > 0, suffix=suffix if k else [])
+        if engine.suffix is not None:  # suffix alone: the chain every open row can fill
+            k = min((len(suffix[i].best_path()) if suffix[i] else 0) for i in open_rows)
+            k = min(k, engine.draft_len, room)
+        return _Plan("chain" if k else "ar", k=k, suffix=suffix if k else [])
 
-    def _draft(self, tree: DraftTree | None, k: int) -> _Round:
-        """The drafter's forward and proposal (none for an AR round) -> what the target verifies."""
+    def _draft(self, plan: _Plan) -> _Round:
+        """The drafter's forward and proposal, the suffix drafts merged in (none for an AR round) -> what the
+        target verifies."""
         drafter, dev, N = self.drafter, self.valid.device, len(self)
         anchor = torch.tensor(self.anchors, device=dev)[:, None]
         ones = lambda n: self.valid.new_ones(N, n)
-        if tree is None and k == 0:
+        if plan.mode == "ar":
             att = None if self.dense else torch.cat([self.valid, ones(1)], 1).long()
             return _Round(anchor, self.committed[:, None], att)
-        slots = tree.depth + 1 if tree is not None else self.engine.draft_block - self.engine.draft_len + k
-        pos = self.committed[:, None] + torch.arange(slots, device=dev)  # (N, slots)
-        mask = None if self.dense else block_attention_mask(self.valid[:, None], slots, drafter.config.is_causal)
-        out = drafter(drafter.block_inputs(anchor, slots), pos[:, None], self.ctx.kv, mask)
-        self.clock.lap("draft")
-        if tree is not None:
-            nodes, q = propose_tree(drafter, out, tree, self.params, self.gen)
-            n, W = len(nodes), self.width
-            att = torch.ones(1, 1, n + 1, W + n + 1, dtype=torch.bool, device=dev)
-            att[0, 0, :, :W] = self.valid[0]
-            att[0, 0, :, W:] = tree.mask.to(dev)
-            feed = torch.tensor([[self.anchors[0], *nodes]], device=dev)
-            rnd = _Round(feed, self.committed[:, None] + tree.depths.to(dev)[None], att, tree=tree, nodes=nodes, q=q)
-        else:
-            prop = propose(drafter, out, self.params, self.gen, k)
-            att = None if self.dense else torch.cat([self.valid, ones(k + 1)], 1).long()
-            rnd = _Round(torch.cat([anchor, prop.tokens], 1), pos[:, : k + 1], att, prop=prop)
+        out = None
+        if plan.drafter:
+            engine = self.engine
+            slots = plan.tree.depth + 1 if plan.mode == "tree" else engine.draft_block - engine.draft_len + plan.k
+            pos = self.committed[:, None] + torch.arange(slots, device=dev)  # (N, slots)
+            mask = None if self.dense else block_attention_mask(self.valid[:, None], slots, drafter.config.is_causal)
+            out = drafter(drafter.block_inputs(anchor, slots), pos[:, None], self.ctx.kv, mask)
+            self.clock.lap("draft")
+        rnd = self._tree_round(plan, out) if plan.mode == "tree" else self._chain_round(plan, out, anchor)
         self.clock.lap("propose")
         return rnd
+
+    def _tree_round(self, plan: _Plan, out) -> _Round:
+        """A single row's tree: the drafter's static tree (when it ran) with the suffix draft merged in."""
+        dev = self.valid.device
+        nodes, q, parents = [], [], []
+        if plan.drafter:
+            nodes, q = propose_tree(self.drafter, out, plan.tree, self.params, self.gen)
+            parents = list(plan.tree.parents)
+        static, sd = len(nodes), plan.suffix[0]
+        if sd:
+            cap = self.engine.suffix.max_nodes
+            nodes, q, parents = merge_drafts(nodes, q, parents, sd, static + cap, plan.room)
+        n, W = len(nodes), self.width
+        att = torch.ones(1, 1, n + 1, W + n + 1, dtype=torch.bool, device=dev)
+        att[0, 0, :, :W] = self.valid[0]
+        att[0, 0, :, W:] = tree_mask(parents).to(dev)
+        depths = torch.tensor([0, *tree_depths(parents)], device=dev)
+        feed = torch.tensor([[self.anchors[0], *nodes]], device=dev)
+        return _Round(feed, self.committed[:, None] + depths[None], att, nodes=nodes, q=q, parents=parents,
+                      static=static, drafted=plan.drafter)  # fmt: skip
+
+    def _chain_round(self, plan: _Plan, out, anchor: torch.Tensor) -> _Round:
+        """k drafts per row: the drafter's chain, or a row's suffix chain in its place (q certain of its tokens)."""
+        dev, N, k = self.valid.device, len(self), plan.k
+        prop = propose(self.drafter, out, self.params, self.gen, k) if plan.drafter else None
+        picks = {i: sd for i, sd in enumerate(plan.suffix) if sd is not None and not self.finished[i]}
+        if picks or prop is None:
+            tokens = prop.tokens.clone() if prop is not None else torch.zeros(N, k, dtype=torch.long, device=dev)
+            for i, sd in picks.items():
+                tokens[i] = torch.tensor([sd.tokens[j] for j in sd.best_path()[:k]], device=dev)
+            q = None
+            if not self.params.greedy:
+                V = self.engine.target.info.vocab_size
+                q = prop.q.clone() if prop is not None else torch.zeros(N, k, V, device=dev)
+                for i in picks:
+                    q[i] = torch.nn.functional.one_hot(tokens[i], V).to(q.dtype)
+            prop = Proposal(tokens, q)
+        att = None if self.dense else torch.cat([self.valid, self.valid.new_ones(N, k + 1)], 1).long()
+        pos = self.committed[:, None] + torch.arange(k + 1, device=dev)
+        return _Round(torch.cat([anchor, prop.tokens], 1), pos, att, prop=prop, drafted=plan.drafter)
 
     def _commit_tree(self, rnd: _Round, logits: torch.Tensor, feats) -> None:
         """A single row's tree round: the accepted path's cache entries kept behind the committed columns (the
         rest dropped, in the cache and in the drafter's context), its tokens committed."""
-        tree, nodes, tgt = rnd.tree, rnd.nodes, self.engine.target
+        nodes, tgt = rnd.nodes, self.engine.target
         if self.params.greedy:
-            path, nxt = verify_tree_greedy(nodes, tree.parents, logits[0])
+            path, nxt = verify_tree_greedy(nodes, rnd.parents, logits[0])
         else:
-            path, nxt = verify_tree_sampled(nodes, rnd.q, tree.parents, warp_probs(logits[0], self.params), self.gen)
+            path, nxt = verify_tree_sampled(nodes, rnd.q, rnd.parents, warp_probs(logits[0], self.params), self.gen)
         kept = [0] + [i + 1 for i in path]
         tgt.keep_cache(self.cache, self.width, kept)
-        self.ctx.extend(feats[:, kept], rnd.pos[:, kept])
+        if self.ctx is not None:  # lazy when the drafter did not run: projected when it next does
+            self.ctx.extend(feats[:, kept], rnd.pos[:, kept], lazy=not rnd.drafted)
         toks = [nodes[i] for i in path] + [nxt]
-        self.engine.tree_profile.record(path)
+        if rnd.drafted and rnd.static == len(self.engine.tree_profile.accepted):
+            self.engine.tree_profile.record([i for i in path if i < rnd.static])
         self.valid = torch.cat([self.valid, self.valid.new_ones(1, len(toks))], 1)
         self.committed = self.committed + len(toks)
         self.stats[0].record(len(path))
@@ -452,11 +357,11 @@ class BatchDecode:
         tgt.crop_cache(self.cache, self.width + m)
         kept = torch.arange(m, device=dev)[None] <= n_acc[:, None]  # (N, m); all True in a dense batch
         self.valid = torch.cat([self.valid, kept], 1)
-        if self.drafter is not None:  # an AR round's token too (projected when drafting resumes)
-            self.ctx.extend(feats[:, :m], rnd.pos[:, :m], lazy=prop is None)
+        if self.ctx is not None:  # an AR round's token too (projected when drafting resumes)
+            self.ctx.extend(feats[:, :m], rnd.pos[:, :m], lazy=not rnd.drafted)
         self.committed = self.committed + n_acc + 1
         if engine.policy is not None:
-            self._observe(k, n_acc, rnd.feed.shape[1], seconds)
+            self._observe(k if rnd.drafted else 0, n_acc, rnd.feed.shape[1], seconds)
         self._commit(n_acc, nxt, prop, logits)
         if not self.dense:
             self.compact()  # rows that accepted less than the round's longest leave masked holes
@@ -557,9 +462,9 @@ class BatchDecode:
         C = max(self.width, other.width)
         for b in (self, other):
             b.valid = torch.cat([b.valid, b.valid.new_zeros(len(b), C - b.width)], 1)
-        self.cache = _stack_caches([self.cache, other.cache], C)
+        self.cache = stack_caches([self.cache, other.cache], C)
         if self.ctx is not None:
-            pair = lambda a, b: torch.cat([_pad_columns(a, C), _pad_columns(b, C)])
+            pair = lambda a, b: torch.cat([pad_columns(a, C), pad_columns(b, C)])
             self.ctx.kv = [(pair(k0, k1), pair(v0, v1)) for (k0, v0), (k1, v1) in zip(self.ctx.kv, other.ctx.kv)]
         if self.counts is not None or other.counts is not None:
             V = self.engine.target.info.vocab_size

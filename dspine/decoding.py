@@ -230,8 +230,11 @@ class DraftTree:
         rate = dict(zip(self.paths, map(float, rates)))
         kept: set = set()
         while len(kept) < min(nodes, len(self.paths)):
-            ready = [p for p in self.paths if p not in kept and (len(p) == 1 or p[:-1] in kept)
-                     and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in kept)]  # fmt: skip
+            ready = [
+                p
+                for p in self.paths
+                if p not in kept and (len(p) == 1 or p[:-1] in kept) and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in kept)
+            ]
             best = max(ready, key=lambda p: (rate[p], -len(p), [-r for r in p]), default=None)
             if best is None or rate[best] <= 0:  # a node never accepted only costs its verify row
                 break
@@ -241,14 +244,57 @@ class DraftTree:
     @cached_property
     def mask(self) -> torch.Tensor:
         """(n+1, n+1) bool over [anchor, nodes]: each row sees the anchor, its ancestors and itself."""
-        n = len(self.paths)
-        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        m[:, 0] = True
-        for i, par in enumerate(self.parents):
-            m[i + 1, i + 1] = True
-            if par >= 0:
-                m[i + 1] |= m[par + 1]
-        return m
+        return tree_mask(self.parents)
+
+
+def tree_mask(parents) -> torch.Tensor:
+    """Parent indices (-1: the anchor; parents first) -> (n+1, n+1) bool over [anchor, nodes]: each row sees the
+    anchor, its ancestors and itself."""
+    n = len(parents)
+    m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    m[:, 0] = True
+    for i, par in enumerate(parents):
+        m[i + 1, i + 1] = True
+        if par >= 0:
+            m[i + 1] |= m[par + 1]
+    return m
+
+
+def tree_depths(parents) -> list[int]:
+    """Each node's depth below the anchor (1: a child of the anchor)."""
+    depth: list[int] = []
+    for par in parents:
+        depth.append(1 if par < 0 else depth[par] + 1)
+    return depth
+
+
+def merge_drafts(tokens: list[int], q: list, parents: list[int], extra, max_nodes: int, max_depth: int):
+    """A drafter's tree (node tokens, proposals, parents; [] for none) and a suffix draft (suffix.SuffixDraft) ->
+    one tree (tokens, q, parents). A suffix node whose token is already a child of the same parent is that child
+    (shared prefixes merged); the others are appended after the drafter's nodes — so a parent's sampled child stays
+    its first — as deterministic nodes (q None: certain of their token), while the tree has fewer than `max_nodes`
+    nodes and they lie at most `max_depth` below the anchor. Siblings keep distinct tokens, which both tree
+    verifiers need."""
+    tokens, q, parents = list(tokens), list(q), list(parents)
+    depth = tree_depths(parents)
+    child = {(par, tok): i for i, (tok, par) in enumerate(zip(tokens, parents))}
+    at: dict[int, int] = {}  # suffix node -> merged node
+    for i, (tok, par) in enumerate(zip(extra.tokens, extra.parents)):
+        if par >= 0 and par not in at:  # its parent did not fit
+            continue
+        mp = at[par] if par >= 0 else -1
+        if (mp, tok) in child:
+            at[i] = child[(mp, tok)]
+            continue
+        d = 1 if mp < 0 else depth[mp] + 1
+        if len(tokens) >= max_nodes or d > max_depth:
+            continue
+        tokens.append(tok)
+        q.append(None)
+        parents.append(mp)
+        depth.append(d)
+        at[i] = child[(mp, tok)] = len(tokens) - 1
+    return tokens, q, parents
 
 
 def sample_first_slot(

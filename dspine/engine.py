@@ -9,12 +9,14 @@ import time
 
 import torch
 
-from dspine.decode import BatchDecode, DraftContext, GenerationResult, TreeProfile
+from dspine.decode import BatchDecode
 from dspine.decoding import DraftTree
 from dspine.drafter import DSpineDraftModel
 from dspine.goodput import DraftPolicy
 from dspine.options import CPU_DRAFT_LEN, CPU_DRAFT_TREE, GPU_DRAFT_TREE, EngineOptions, default_draft_tree
 from dspine.sampling import RequestError, SamplingParams, sample, warp_probs
+from dspine.state import DraftContext, GenerationResult, TreeProfile
+from dspine.suffix import SuffixConfig, SuffixCorpus
 from dspine.target import Target
 
 __all__ = [
@@ -45,6 +47,8 @@ class Engine:
         spec_max_batch: int | None = None,
         tree: DraftTree | str | None = None,
         goodput: bool = False,
+        suffix: SuffixConfig | None = None,
+        corpus: SuffixCorpus | None = None,
     ):
         """`draft_len`: drafts verified per round (1 .. block_size-1; default block_size-1), a decode-time
         choice: each draft costs a row of the target's verify forward. `draft_block`: block slots the drafter
@@ -58,10 +62,20 @@ class Engine:
         then defaults to the depth); rounds of several requests, penalties and forced replays keep the chain.
         `goodput`: each batched round drafts 0 .. draft_len tokens, as many as maximise the tokens expected per
         second of the round (goodput.DraftPolicy: the rows' acceptance so far against the measured cost of
-        verifying more rows) — on a CPU, where every verified row costs compute, a full batch drafts less."""
+        verifying more rows) — on a CPU, where every verified row costs compute, a full batch drafts less.
+        `suffix` (suffix.SuffixConfig): suffix drafts from the request's own prompt + output and from `corpus` (the
+        deployment's past traffic, per workload) join every round: a single request's rounds merge them into the
+        drafter's tree (or verify them alone: without a drafter, or when their expected acceptance reaches
+        `skip_drafter_tokens`, the drafter's forward is skipped); a batched round gives a row the suffix's chain
+        instead of the drafter's where the suffix expects more."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
-        self.method = drafter.config.method if drafter is not None else "ar"
+        self.suffix, self.corpus = suffix, corpus
+        if corpus is not None and suffix is None:
+            raise ValueError("a suffix corpus needs suffix drafting (a drafter spec with +suffix)")
+        names = ([drafter.config.method] if drafter is not None else []) + (["suffix"] if suffix is not None else [])
+        self.method = "+".join(names) or "ar"
+        self.speculative = bool(names)
         B = drafter.config.block_size if drafter is not None else 1
         self.tree = None
         if tree is not None:
@@ -77,6 +91,8 @@ class Engine:
         if spec_max_batch is not None and spec_max_batch < 1:
             raise ValueError(f"spec_max_batch must be >= 1 (the most open rows a round drafts for): {spec_max_batch}")
         self.spec_max_batch = spec_max_batch
+        if drafter is None and suffix is not None:  # suffix alone: a batched round's chain is at most this long
+            self.draft_len = draft_len or suffix.max_depth
         self.policy = DraftPolicy(self.draft_len) if goodput and drafter is not None else None
         self.max_positions = target.info.max_position_embeddings
 

@@ -58,15 +58,27 @@ class EngineOptions:
         "(goodput on a CPU, where every verified row costs compute; fixed elsewhere)",
         choices=DRAFT_POLICIES,
     )
+    suffix_corpus: str | None = option(
+        help='with suffix drafting (--drafter suffix or CHECKPOINT+suffix): a JSONL file of {"token_ids": [...], '
+        '"workload": ...} rows — this target\'s token ids of past traffic — indexed per workload at start; served '
+        "requests are added as they finish (dspine/suffix.py)"
+    )
+    suffix: bool = False  # suffix drafting on (from the drafter spec: `suffix`, `CHECKPOINT+suffix`)
 
     def build(self, target, drafter):
         """The engine for `target`'s device: the options given, that device's defaults for the rest. Raises
         ValueError naming the option that does not fit."""
-        flags = (("--draft-len", self.draft_len), ("--spec-max-batch", self.spec_max_batch),
-                 ("--draft-tree", self.draft_tree), ("--draft-policy", self.draft_policy))  # fmt: skip
+        flags = (
+            ("--draft-len", self.draft_len),
+            ("--spec-max-batch", self.spec_max_batch),
+            ("--draft-tree", self.draft_tree),
+            ("--draft-policy", self.draft_policy),
+        )
         for flag, v in flags:
             if v is not None and drafter is None:
                 raise ValueError(f"{flag} needs a drafter")
+        if self.suffix_corpus is not None and not self.suffix:
+            raise ValueError("--suffix-corpus needs suffix drafting: --drafter suffix or --drafter CHECKPOINT+suffix")
         if self.draft_policy is not None and self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"--draft-policy {self.draft_policy!r}: one of {', '.join(DRAFT_POLICIES)}")
         draft_len, spec_max_batch, tree, draft_block = self.draft_len, self.spec_max_batch, self.draft_tree, None
@@ -82,5 +94,16 @@ class EngineOptions:
             draft_block = draft_len + 1  # only the slots that are verified: the drafter's forward shrinks with them
         tree = None if tree == "none" else tree
         from dspine.engine import Engine
+        from dspine.suffix import SuffixConfig, SuffixCorpus
 
-        return Engine(target, drafter, draft_len, draft_block, spec_max_batch, tree, goodput=policy == "goodput")
+        suffix = corpus = None
+        if self.suffix:
+            suffix, vocab = SuffixConfig(), target.info.vocab_size
+            corpus = (
+                SuffixCorpus.load(self.suffix_corpus, suffix, vocab)
+                if self.suffix_corpus
+                else SuffixCorpus(suffix, vocab)
+            )
+        return Engine(
+            target, drafter, draft_len, draft_block, spec_max_batch, tree, policy == "goodput", suffix, corpus
+        )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dspine.decoding import DraftTree, propose, propose_tree
+from dspine.decoding import DraftTree, merge_drafts, propose, propose_tree, tree_depths, tree_mask
 from dspine.drafter import DraftOutput, DSpineDraftModel
 from dspine.sampling import SamplingParams, warp_probs
 from dspine.target import Target
@@ -47,42 +47,60 @@ def speculative_step(
 @torch.no_grad()
 def speculative_tree_step(
     target: Target,
-    drafter: DSpineDraftModel,
+    drafter: DSpineDraftModel | None,
     seqs: torch.Tensor,
-    tree: DraftTree,
+    tree: DraftTree | None,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    suffix: list | None = None,
+    suffix_nodes: int = 64,
 ) -> list[list[int]]:
     """One stateless round through a draft tree for N rows of equal length (full recompute, no caches) ->
-    each row's committed tokens (accepted drafts + the next token). seqs (N, L), the last token the anchor. The
-    rows' proposals and verdicts come from propose_tree and the tree verifiers one row at a time, as a single
-    request's engine round makes them; used by the distribution tests."""
+    each row's committed tokens (accepted drafts + the next token). seqs (N, L), the last token the anchor. Each
+    row's tree is the drafter's `tree` (propose_tree; none without a drafter) with `suffix[i]` (a suffix.SuffixDraft,
+    or None) merged in (decoding.merge_drafts), verified one row at a time by the tree verifiers, as a single
+    request's engine round does; the rows' trees are padded to one width with nodes nothing attends to."""
     N, L = seqs.shape
-    dev, Bd = seqs.device, tree.depth + 1
-    _, feats = target.forward(seqs[:, :-1], None, drafter.config.target_layer_ids)
-    ctx = drafter.context_kv(feats, torch.arange(L - 1, device=dev).expand(N, -1))
-    pos = torch.arange(L - 1, L - 1 + Bd, device=dev).expand(N, -1)[:, None]
-    out = drafter(drafter.block_inputs(seqs[:, -1:], Bd), pos, ctx)
+    dev = seqs.device
+    props = [([], [], []) for _ in range(N)]
+    if drafter is not None:
+        Bd = tree.depth + 1
+        _, feats = target.forward(seqs[:, :-1], None, drafter.config.target_layer_ids)
+        ctx = drafter.context_kv(feats, torch.arange(L - 1, device=dev).expand(N, -1))
+        pos = torch.arange(L - 1, L - 1 + Bd, device=dev).expand(N, -1)[:, None]
+        out = drafter(drafter.block_inputs(seqs[:, -1:], Bd), pos, ctx)
 
-    def row(i: int) -> DraftOutput:
-        h_pre = out.h_pre[i : i + 1] if out.h_pre is not None else None
-        return DraftOutput(out.hidden[i : i + 1], h_pre, {k: f[i : i + 1] for k, f in out.feats.items()})
+        def row(i: int) -> DraftOutput:
+            h_pre = out.h_pre[i : i + 1] if out.h_pre is not None else None
+            return DraftOutput(out.hidden[i : i + 1], h_pre, {k: f[i : i + 1] for k, f in out.feats.items()})
 
-    props = [propose_tree(drafter, row(i), tree, params, generator) for i in range(N)]
-    n = len(tree.paths)
-    att = torch.zeros(L + n, L + n, dtype=torch.bool, device=dev)
-    att[:L, :L] = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
-    att[L - 1 :, : L - 1] = True
-    att[L - 1 :, L - 1 :] = tree.mask.to(dev)
-    positions = torch.cat([torch.arange(L - 1, device=dev), L - 1 + tree.depths.to(dev)]).expand(N, -1)
-    feed = torch.cat([seqs, torch.tensor([toks for toks, _ in props], device=dev)], 1)
-    logits, _ = target.forward(feed, None, None, att.expand(N, 1, -1, -1), positions)
+        props = [(*propose_tree(drafter, row(i), tree, params, generator), list(tree.parents)) for i in range(N)]
+    if suffix is not None:
+        props = [
+            merge_drafts(t, q, par, sd, len(t) + suffix_nodes, 10**6) if sd else (t, q, par)
+            for (t, q, par), sd in zip(props, suffix)
+        ]
+    n = max(1, max(len(t) for t, _, _ in props))
+    att = torch.zeros(N, 1, L + n, L + n, dtype=torch.bool, device=dev)
+    att[:, 0, :L, :L] = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    att[:, 0, L - 1 :, : L - 1] = True
+    positions = torch.arange(L + n, device=dev).repeat(N, 1)
+    feed = torch.zeros(N, L + n, dtype=torch.long, device=dev)
+    feed[:, :L] = seqs
+    for i, (toks, _, parents) in enumerate(props):
+        m = len(toks)
+        att[i, 0, L - 1 : L + m, L - 1 : L + m] = tree_mask(parents).to(dev)
+        att[i, 0, L + m :, L + m :] = torch.eye(n - m, dtype=torch.bool, device=dev)  # padding: itself only
+        positions[i, L:] = L - 1 + torch.tensor(tree_depths(parents) + [1] * (n - m), device=dev)
+        feed[i, L : L + m] = torch.tensor(toks, dtype=torch.long, device=dev)
+    logits, _ = target.forward(feed, None, None, att, positions)
     logits = logits[:, L - 1 :]  # (N, n+1, V) at [anchor, nodes]
     got = []
-    for i, (toks, q) in enumerate(props):
+    for i, (toks, q, parents) in enumerate(props):
+        lg = logits[i, : len(toks) + 1]
         if params.greedy:
-            path, nxt = verify_tree_greedy(toks, tree.parents, logits[i])
+            path, nxt = verify_tree_greedy(toks, parents, lg)
         else:
-            path, nxt = verify_tree_sampled(toks, q, tree.parents, warp_probs(logits[i], params), generator)
+            path, nxt = verify_tree_sampled(toks, q, parents, warp_probs(lg, params), generator)
         got.append([toks[j] for j in path] + [nxt])
     return got

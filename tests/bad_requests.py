@@ -29,19 +29,19 @@ BAD = [
         raw=b"model=smol&max_tokens=4",
         needle="takes a JSON body",
         ctype="application/x-www-form-urlencoded",
-    ),  # fmt: skip
+    ),
     case("50k-deep nesting", raw=b"[" * 50_000, needle="nested too deeply"),
     case("lone surrogate", raw=b'{"messages": [{"role": "user", "content": "\\ud800"}]}', needle="lone surrogate"),
     case(
         "NaN temperature",
         raw=b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
         needle="finite number",
-    ),  # fmt: skip
+    ),
     case(
         "Infinity top_p",
         raw=b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
         needle="finite number",
-    ),  # fmt: skip
+    ),
     # messages
     case("missing messages", {"model": "smol", "max_tokens": 4}, needle="messages"),
     case("empty messages", {**CHAT, "messages": []}, needle="messages"),
@@ -54,7 +54,7 @@ BAD = [
         "tool call without function",
         {**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}]},
         needle="tool_calls",
-    ),  # fmt: skip
+    ),
     case("oversized prompt", _msg("word " * 400), needle="at most 200"),
     # sampling and lengths
     case("negative max_tokens", {**CHAT, "max_tokens": -5}, needle="max_tokens"),
@@ -86,7 +86,7 @@ BAD = [
         "tool_choice names no tool",
         {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}},
         needle="not among the tools",
-    ),  # fmt: skip
+    ),
     case("json response_format", {**CHAT, "response_format": {"type": "json_object"}}, needle="response_format"),
     case("logit_bias", {**CHAT, "logit_bias": {"1": 5}}, needle="'logit_bias' is not supported"),
     case("legacy functions", {**CHAT, "functions": [{"name": "f", "parameters": {}}]}, needle="'functions'"),

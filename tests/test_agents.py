@@ -69,8 +69,12 @@ def hostile_module(tmp_path, monkeypatch):
     d.mkdir()
     (d / "hostile.py").write_text(HOSTILE)
     monkeypatch.setenv("PYTHONPATH", str(d) + (":" + sys.path[0] if sys.path[0] else ""))
-    return {"evil_write": "hostile:write_outside", "evil_connect": "hostile:connect",
-            "evil_fork": "hostile:fork_bomb", "evil_spin": "hostile:spin"}  # fmt: skip
+    return {
+        "evil_write": "hostile:write_outside",
+        "evil_connect": "hostile:connect",
+        "evil_fork": "hostile:fork_bomb",
+        "evil_spin": "hostile:spin",
+    }
 
 
 def episode(h, task, tmp_path, name):

@@ -66,8 +66,13 @@ def submit(ray_head, args, wait=True):
 
 def direct(args):
     """adapt/collect.py run directly (no Ray): for input that must be refused before anything starts."""
-    return subprocess.run([sys.executable, str(ROOT / "adapt" / "collect.py"), *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(ROOT / "adapt" / "collect.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": ""},
+    )
 
 
 def files(out: Path, sub: str) -> list[str]:
@@ -78,8 +83,19 @@ def test_collect_job_traces_and_rerun(ray_head, endpoint, smollm2, tmp_path):
     import datasets
 
     out = tmp_path / "traces"
-    args = ["--endpoint", endpoint, "--out", str(out), "--workloads", "swe,tool,office", "--levels", "low,high",
-            "--episodes", "2", *SMALL]  # fmt: skip
+    args = [
+        "--endpoint",
+        endpoint,
+        "--out",
+        str(out),
+        "--workloads",
+        "swe,tool,office",
+        "--levels",
+        "low,high",
+        "--episodes",
+        "2",
+        *SMALL,
+    ]
     r = submit(ray_head, args)
     assert r.returncode == 0 and "succeeded" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
     acc = json.loads((out / "accounts.json").read_text())
@@ -87,8 +103,9 @@ def test_collect_job_traces_and_rerun(ray_head, endpoint, smollm2, tmp_path):
     ds = datasets.load_dataset("parquet", data_files=f"{out}/traces/*/*.parquet", split="train")
     assert set(ds.column_names) == set(SCHEMA.names)
     episodes = {(row["workload"], row["thinking"], row["episode_id"]) for row in ds}
-    assert Counter((w, lv) for w, lv, _ in episodes) == {(w, lv): 2 for w in ("swe", "tool", "office")
-                                                         for lv in ("low", "high")}  # fmt: skip
+    assert Counter((w, lv) for w, lv, _ in episodes) == {
+        (w, lv): 2 for w in ("swe", "tool", "office") for lv in ("low", "high")
+    }
     for row in ds:
         assert row["has_token_ids"] and row["prompt_token_ids"] and row["completion_token_ids"]
         assert len(row["completion_token_ids"]) == row["completion_tokens"]
@@ -120,15 +137,31 @@ def test_killed_worker_episode_is_retried_once(ray_head, endpoint, tmp_path):
 
     url, _ = ray_head
     out = tmp_path / "fault"
-    args = ["--endpoint", endpoint, "--out", str(out), "--workloads", "tool", "--levels", "low", "--episodes", "2",
-            "--retries", "2", *SMALL]  # fmt: skip
+    args = [
+        "--endpoint",
+        endpoint,
+        "--out",
+        str(out),
+        "--workloads",
+        "tool",
+        "--levels",
+        "low",
+        "--episodes",
+        "2",
+        "--retries",
+        "2",
+        *SMALL,
+    ]
     r = submit(ray_head, args, wait=False)
     job = re.search(r"raysubmit_[A-Za-z0-9]+", r.stdout + r.stderr).group(0)
     killed = None
     deadline = time.time() + 300
     while killed is None and time.time() < deadline:
-        running = [t for t in list_tasks(address=url, filters=[("state", "=", "RUNNING")], detail=True)
-                   if t.name == "run_episode" and t.worker_pid]  # fmt: skip
+        running = [
+            t
+            for t in list_tasks(address=url, filters=[("state", "=", "RUNNING")], detail=True)
+            if t.name == "run_episode" and t.worker_pid
+        ]
         if running:
             time.sleep(3)  # well inside the episode (its first model call is under way)
             killed = running[0].worker_pid
@@ -188,8 +221,21 @@ def test_local_executor_collects_without_ray(endpoint, tmp_path):
     import pyarrow.parquet as pq
 
     out = tmp_path / "local"
-    args = ["--endpoint", endpoint, "--out", str(out), "--workloads", "tool", "--levels", "low,high",
-            "--episodes", "1", "--executor", "local", *SMALL]  # fmt: skip
+    args = [
+        "--endpoint",
+        endpoint,
+        "--out",
+        str(out),
+        "--workloads",
+        "tool",
+        "--levels",
+        "low,high",
+        "--episodes",
+        "1",
+        "--executor",
+        "local",
+        *SMALL,
+    ]
     r = direct(args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     acc = json.loads((out / "accounts.json").read_text())

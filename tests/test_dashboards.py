@@ -17,8 +17,17 @@ def test_grafana_dashboard_queries_exported_metrics():
     from prometheus_client import generate_latest
 
     svc = Service(Engine(tiny_target("llama")))
-    rec = RequestRecord(request_id="r", model="m", drafter="d", method="dspine", workload="swe", thinking="low",
-                        completion_tokens=5, latency_s=0.2, accept_hist=[0, 1, 1, 0])  # fmt: skip
+    rec = RequestRecord(
+        request_id="r",
+        model="m",
+        drafter="d",
+        method="dspine",
+        workload="swe",
+        thinking="low",
+        completion_tokens=5,
+        latency_s=0.2,
+        accept_hist=[0, 1, 1, 0],
+    )
     svc.metrics.acceptance.observe(rec)
     svc.metrics.errors.labels("400").inc()
     from dspine.serve.litellm_hooks import _metrics

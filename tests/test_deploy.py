@@ -116,8 +116,15 @@ def test_deploy_gates_checks_live_acceptance_and_rolls_back(server, tmp_path):
     }
     ev = tmp_path / "adapt.json"
     ev.write_text(json.dumps(doc))
-    cfg = DeployConfig(evaluation=str(ev), endpoint=base, admin_key=KEY, prompts=CHAT_PROMPTS[:2], live_requests=2,
-                       max_tokens=24, live_tolerance=0.5)  # fmt: skip
+    cfg = DeployConfig(
+        evaluation=str(ev),
+        endpoint=base,
+        admin_key=KEY,
+        prompts=CHAT_PROMPTS[:2],
+        live_requests=2,
+        max_tokens=24,
+        live_tolerance=0.5,
+    )
     ok = deploy(cfg)
     assert ok["action"] == "deployed" and ok["live"]["drafters"] == ["adapted/all"] and ok["live"]["tau"] >= 1.0
     assert ok["route"] is None and call(base, "/v1/dspine/drafter")[1]["drafter"] == "adapted/all"
@@ -198,16 +205,28 @@ def test_routes_send_each_workload_to_its_own_drafter(server, tmp_path):
 
     doc = {
         "gate": {g: {"accept": True, "reasons": []} for g in ("tool", "swe-high")},
-        "drafters": {"tool": {"path": str(root / "a" / "dspine"), "cells": ["tool/none"]},
-                     "swe-high": {"path": str(root / "a" / "dspine"), "cells": ["swe/high"]}},
-        "per_cell": {"tool/none": {"base": 1.2, "adapted": 1.5, "ratio": 1.25},
-                     "swe/high": {"base": 1.2, "adapted": 1.5, "ratio": 1.25}},
+        "drafters": {
+            "tool": {"path": str(root / "a" / "dspine"), "cells": ["tool/none"]},
+            "swe-high": {"path": str(root / "a" / "dspine"), "cells": ["swe/high"]},
+        },
+        "per_cell": {
+            "tool/none": {"base": 1.2, "adapted": 1.5, "ratio": 1.25},
+            "swe/high": {"base": 1.2, "adapted": 1.5, "ratio": 1.25},
+        },
         "general": None,
-    }  # fmt: skip
+    }
     ev = tmp_path / "adapt.json"
     ev.write_text(json.dumps(doc))
-    cfg = DeployConfig(evaluation=str(ev), group="tool", endpoint=base, admin_key=KEY, prompts=CHAT_PROMPTS[:2],
-                       live_requests=2, max_tokens=16, live_tolerance=0.5)  # fmt: skip
+    cfg = DeployConfig(
+        evaluation=str(ev),
+        group="tool",
+        endpoint=base,
+        admin_key=KEY,
+        prompts=CHAT_PROMPTS[:2],
+        live_requests=2,
+        max_tokens=16,
+        live_tolerance=0.5,
+    )
     ok = deploy(cfg)
     assert ok["action"] == "deployed" and ok["route"] == "tool" and ok["live"]["drafters"] == ["adapted/tool"]
     now = call(base, url)[1]
@@ -246,19 +265,39 @@ def test_one_loop_iteration_from_store_to_deployed_drafter(server, tmp_path):
             r = RequestRecord(**{k: v for k, v in rec.items() if k in fields})
             r.workload, r.thinking = "tool", "low"
             assert r.prompt_token_ids and r.completion_token_ids
-            store.append(r, {"episode_id": f"ep{e}", "task_id": "t", "messages": messages, "tools": [],
-                             "tool_calls": [], "sampling": {"temperature": 0}})  # fmt: skip
-            messages = [*messages, {"role": "assistant", "content": j["choices"][0]["message"]["content"]},
-                        {"role": "user", "content": "Tell me more."}]  # fmt: skip
+            store.append(
+                r,
+                {
+                    "episode_id": f"ep{e}",
+                    "task_id": "t",
+                    "messages": messages,
+                    "tools": [],
+                    "tool_calls": [],
+                    "sampling": {"temperature": 0},
+                },
+            )
+            messages = [
+                *messages,
+                {"role": "assistant", "content": j["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Tell me more."},
+            ]
     cfg = LoopConfig(
-        store=str(tmp_path / "proxy.db"), work=str(tmp_path / "loop"), every_s=0.01, iterations=2, min_rows=4,
-        finetune=FinetuneConfig(base=str(root / "a" / "dspine"), workers=0, heldout_fraction=0.34,
-                                train=TrainConfig(steps=4, batch_size=2, anchors_per_seq=8, max_len=256,
-                                                  eval_every=100)),
+        store=str(tmp_path / "proxy.db"),
+        work=str(tmp_path / "loop"),
+        every_s=0.01,
+        iterations=2,
+        min_rows=4,
+        finetune=FinetuneConfig(
+            base=str(root / "a" / "dspine"),
+            workers=0,
+            heldout_fraction=0.34,
+            train=TrainConfig(steps=4, batch_size=2, anchors_per_seq=8, max_len=256, eval_every=100),
+        ),
         evaluate=EvalConfig(limit=0, min_ratio=0.0),
-        deploy=DeployConfig(endpoint=base, admin_key=KEY, prompts=CHAT_PROMPTS[3:5], live_requests=2,
-                            max_tokens=16, live_tolerance=0.1),
-    )  # fmt: skip
+        deploy=DeployConfig(
+            endpoint=base, admin_key=KEY, prompts=CHAT_PROMPTS[3:5], live_requests=2, max_tokens=16, live_tolerance=0.1
+        ),
+    )
     first, second = run_loop(cfg, progress=False)
     assert first["action"] == "adapted" and first["rows"] == {"tool": 6} and "tool/low" in first["per_cell"]
     assert [d["action"] for d in first["deploys"]] == ["deployed"]
@@ -286,13 +325,27 @@ def test_restart_deploy_starts_the_adapted_backend_and_falls_back(server, tmp_pa
     ev = tmp_path / "adapt.json"
 
     def run(drafter, tolerance=0.5):
-        ev.write_text(json.dumps({
-            "gate": {"all": {"accept": True, "reasons": []}}, "general": None,
-            "drafters": {"all": {"path": str(drafter), "cells": ["tool/low"]}},
-            "per_cell": {"tool/low": {"base": 1.2, "adapted": 1.5, "ratio": 1.25}},
-        }))  # fmt: skip
-        return deploy(DeployConfig(evaluation=str(ev), endpoint=endpoint, prompts=CHAT_PROMPTS[:2], live_requests=2,
-                                   max_tokens=24, live_tolerance=tolerance, restart=command))  # fmt: skip
+        ev.write_text(
+            json.dumps(
+                {
+                    "gate": {"all": {"accept": True, "reasons": []}},
+                    "general": None,
+                    "drafters": {"all": {"path": str(drafter), "cells": ["tool/low"]}},
+                    "per_cell": {"tool/low": {"base": 1.2, "adapted": 1.5, "ratio": 1.25}},
+                }
+            )
+        )
+        return deploy(
+            DeployConfig(
+                evaluation=str(ev),
+                endpoint=endpoint,
+                prompts=CHAT_PROMPTS[:2],
+                live_requests=2,
+                max_tokens=24,
+                live_tolerance=tolerance,
+                restart=command,
+            )
+        )
 
     def serving():
         state = json.loads((tmp_path / "backend.json").read_text())
@@ -315,7 +368,10 @@ def test_restart_deploy_starts_the_adapted_backend_and_falls_back(server, tmp_pa
     finally:
         if (tmp_path / "backend.json").is_file():
             stop_backend(json.loads((tmp_path / "backend.json").read_text()))
-    for bad, msg in ((dict(export="sglang"), "give restart"), (dict(restart="serve --port {port}"), "{drafter}"),
-                     (dict(restart=command, export="vllm"), "export")):  # fmt: skip
+    for bad, msg in (
+        (dict(export="sglang"), "give restart"),
+        (dict(restart="serve --port {port}"), "{drafter}"),
+        (dict(restart=command, export="vllm"), "export"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             DeployConfig(**bad).validate()

@@ -33,13 +33,31 @@ P, C = 10, 12  # prompt and completion lengths: equal lengths make every sequenc
 
 def _row(ep: str, turn: int, rng: random.Random, workload="tool", level="low", prompt=P, completion=C) -> TraceRow:
     return TraceRow(
-        episode_id=ep, task_id="t", workload=workload, thinking=level, turn=turn, request_id=f"{ep}-{turn}",
-        messages="[]", tools="[]", prompt_token_ids=[rng.randrange(1, 128) for _ in range(prompt)],
-        completion_token_ids=[rng.randrange(1, 128) for _ in range(completion)], has_token_ids=True,
-        completion_text="", tool_calls="[]", finish_reason="stop", prompt_tokens=prompt, completion_tokens=completion,
-        accept_hist=[], tau=None, sampling="{}", target="tiny", drafter=None, chat_template_sha256=None,
-        latency_s=0.0, ts=time.time(),
-    )  # fmt: skip
+        episode_id=ep,
+        task_id="t",
+        workload=workload,
+        thinking=level,
+        turn=turn,
+        request_id=f"{ep}-{turn}",
+        messages="[]",
+        tools="[]",
+        prompt_token_ids=[rng.randrange(1, 128) for _ in range(prompt)],
+        completion_token_ids=[rng.randrange(1, 128) for _ in range(completion)],
+        has_token_ids=True,
+        completion_text="",
+        tool_calls="[]",
+        finish_reason="stop",
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        accept_hist=[],
+        tau=None,
+        sampling="{}",
+        target="tiny",
+        drafter=None,
+        chat_template_sha256=None,
+        latency_s=0.0,
+        ts=time.time(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +76,19 @@ def setup(tmp_path_factory):
 
 
 def _cfg(root, **kw) -> FinetuneConfig:
-    train = TrainConfig(steps=3, batch_size=4, anchors_per_seq=C, max_len=64, lr=3e-3, warmup_steps=1, gamma=3.5,
-                        eval_every=100)  # fmt: skip
-    return FinetuneConfig(traces=str(root / "traces"), out=str(root / kw.pop("name")), base=str(root / "base"),
-                          target=str(root / "target"), dtype="float64", heldout_fraction=0.0, train=train,
-                          **kw)  # fmt: skip
+    train = TrainConfig(
+        steps=3, batch_size=4, anchors_per_seq=C, max_len=64, lr=3e-3, warmup_steps=1, gamma=3.5, eval_every=100
+    )
+    return FinetuneConfig(
+        traces=str(root / "traces"),
+        out=str(root / kw.pop("name")),
+        base=str(root / "base"),
+        target=str(root / "target"),
+        dtype="float64",
+        heldout_fraction=0.0,
+        train=train,
+        **kw,
+    )
 
 
 def test_samples_mask_exactly_the_generated_tokens_and_episodes_split_whole():
@@ -83,8 +109,12 @@ def test_samples_mask_exactly_the_generated_tokens_and_episodes_split_whole():
     assert not {r["episode_id"] for r in held} & {r["episode_id"] for r in train}
     assert split_episodes(rows, 0.2, seed=0) == (train, held)  # seeded
     # by task: a task goes whole, at every level — 5 tasks × 2 levels × 2 episodes
-    rows = [{**dataclasses.asdict(_row(f"ep{t}{lv}{k}", 0, rng, level=lv)), "task_id": f"t{t}"}
-            for t in range(5) for lv in ("low", "high") for k in range(2)]  # fmt: skip
+    rows = [
+        {**dataclasses.asdict(_row(f"ep{t}{lv}{k}", 0, rng, level=lv)), "task_id": f"t{t}"}
+        for t in range(5)
+        for lv in ("low", "high")
+        for k in range(2)
+    ]
     train, held = split_episodes(rows, 0.2, seed=0, by="task")
     assert {r["task_id"] for r in held} == {held[0]["task_id"]} and len(held) == 4
     assert {r["thinking"] for r in held} == {"low", "high"}
@@ -171,13 +201,19 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
             [dataclasses.replace(c, episode_id=f"ep{e}", request_id=f"r{e}")], "traces", "tool", f"ep{e}.parquet"
         )
     st.clean_tmp()
-    cfg = dataclasses.replace(_cfg(setup, name="x"), traces=str(tmp_path / "traces"), out=str(tmp_path / "ft"),
-                              workers=0, heldout_fraction=0.34)  # fmt: skip
+    cfg = dataclasses.replace(
+        _cfg(setup, name="x"),
+        traces=str(tmp_path / "traces"),
+        out=str(tmp_path / "ft"),
+        workers=0,
+        heldout_fraction=0.34,
+    )
     cfg.train = dataclasses.replace(cfg.train, steps=40, batch_size=2)
     ft = finetune(cfg, progress=False)
     assert len(ft["groups"]["all"]["heldout_episodes"]) == 2 and ft["groups"]["all"]["train_samples"] == 4
-    doc = evaluate_adaptation(EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "adapt.json"), limit=0),
-                              progress=False)  # fmt: skip
+    doc = evaluate_adaptation(
+        EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "adapt.json"), limit=0), progress=False
+    )
     cell = doc["per_cell"]["tool/low"]
     assert cell["rows"] == 2 and cell["ratio"] == pytest.approx(cell["adapted"] / cell["base"])
     assert cell["ratio"] > 1.2 and doc["gate"]["all"] == {"accept": True, "reasons": []}
@@ -193,8 +229,10 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
     assert (info["split"], info["heldout_tasks"], info["heldout_tasks_seen"]) == ("episode", 1, 1)
     # general benchmarks that fail to run (an unknown one) leave the replay written, the drafter refused meanwhile
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
-        evaluate_adaptation(EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "cut.json"), limit=1,
-                                       benchmarks=["nope"]), progress=False)  # fmt: skip
+        evaluate_adaptation(
+            EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "cut.json"), limit=1, benchmarks=["nope"]),
+            progress=False,
+        )
     cut = json.loads((tmp_path / "cut.json").read_text())
     assert cut["per_cell"] == json.loads(json.dumps(doc["per_cell"])) and cut["general"] is None
     assert cut["gate"]["all"] == {"accept": False, "reasons": ["general benchmarks pending"]}
@@ -220,8 +258,10 @@ def test_mixing_in_regenerated_data_holds_its_share(tmp_path):
     rng = random.Random(5)
     general = [([rng.randrange(128) for _ in range(40)], [rng.randrange(128) for _ in range(30)]) for _ in range(20)]
     (tmp_path / "regen").mkdir()
-    pq.write_table(pa.table({"prompt_ids": [p for p, _ in general], "response_ids": [r for _, r in general]}),
-                   tmp_path / "regen" / "part-00000.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table({"prompt_ids": [p for p, _ in general], "response_ids": [r for _, r in general]}),
+        tmp_path / "regen" / "part-00000.parquet",
+    )
     traces = [([1] * 20, 10)] * 6
     cfg = dataclasses.replace(_cfg(tmp_path, name="m"), mix=str(tmp_path / "regen"), mix_fraction=0.5)
     cfg.train = dataclasses.replace(cfg.train, max_len=64)

@@ -11,13 +11,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"dspine": "dspine", "kernels": "dspine.kernels", "workloads": "dspine.workloads",
-           "agents": "dspine.agents", "adapt": "dspine.adapt", "drafters": "dspine.drafters"}  # fmt: skip
+FOLDERS = {
+    "dspine": "dspine",
+    "kernels": "dspine.kernels",
+    "workloads": "dspine.workloads",
+    "agents": "dspine.agents",
+    "adapt": "dspine.adapt",
+    "drafters": "dspine.drafters",
+}
 RANK = {"core": 0, "eval": 1, "train": 2, "serve": 3, "sglang": 3, "agents": 4, "adapt": 5, "cli": 6}
 SUBPACKAGES = {"eval", "train", "serve", "sglang", "agents", "adapt"}
-OWNER = {"fastapi": "serve", "uvicorn": "serve", "litellm": ("serve", "agents"), "prometheus_client": "serve",
-         "sglang": "sglang", "ray": "adapt", "peft": "adapt", "triton": "core", "minisweagent": "agents",
-         "docx": "agents", "openpyxl": "agents"}  # fmt: skip
+OWNER = {
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "litellm": ("serve", "agents"),
+    "prometheus_client": "serve",
+    "sglang": "sglang",
+    "ray": "adapt",
+    "peft": "adapt",
+    "triton": "core",
+    "minisweagent": "agents",
+    "docx": "agents",
+    "openpyxl": "agents",
+}
 
 
 def layer(module: str) -> str:

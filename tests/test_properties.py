@@ -114,8 +114,9 @@ def test_draft_tree_nodes_follow_the_table_and_verification_walks_the_tree():
     assert toks[:1] + toks[3:4] + toks[5:] == propose(d, out, SamplingParams(), draft_len=4).tokens[0].tolist()
     last = d.config.num_hidden_layers - 1
     cand = d.logits(out.hidden[:, 0, 1:5]).topk(5, dim=-1).indices
-    S = transition_scores(d.injections[str(last)], d.norm, d.head, d.transfer_codes, out.h_pre[:, 0, :5],
-                          out.feats[last][:, 0, :5], cand)[0]  # fmt: skip
+    S = transition_scores(
+        d.injections[str(last)], d.norm, d.head, d.transfer_codes, out.h_pre[:, 0, :5], out.feats[last][:, 0, :5], cand
+    )[0]
     assert toks[1:3] == cand[0, 0, 1:3].tolist()
     assert toks[4] == int(cand[0, 1, S[0, 0].topk(2).indices[1]])  # second-best successor of slot 1's best
     V = target.info.vocab_size

@@ -107,15 +107,23 @@ def test_service_reply_of_malformed_or_good_tool_output(tiny):
     target, _ = tiny
     service = Service(Engine(target), ServeConfig(model_name="m"))
     req = Parsed(
-        ids=[1, 2], params=SamplingParams(max_tokens=4), effort="none", stream=False, workload="w",
-        details=False, meta_info=False, token_ids=False, tool_names=NAMES,
-    )  # fmt: skip
+        ids=[1, 2],
+        params=SamplingParams(max_tokens=4),
+        effort="none",
+        stream=False,
+        workload="w",
+        details=False,
+        meta_info=False,
+        token_ids=False,
+        tool_names=NAMES,
+    )
     for text, want_calls in (
         ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', 0),
         ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', 1),
     ):
-        rec = RequestRecord(request_id=req.id, model="m", prompt_tokens=2, completion_tokens=9, text=text,
-                            finish_reason="length")  # fmt: skip
+        rec = RequestRecord(
+            request_id=req.id, model="m", prompt_tokens=2, completion_tokens=9, text=text, finish_reason="length"
+        )
         res = GenerationResult(token_ids=[5] * 9, text=text, finish_reason="length", prompt_tokens=2, method="ar")
         choice = service.response(req, rec, [res], chat=True)["choices"][0]
         assert len(choice["message"].get("tool_calls", [])) == want_calls
@@ -134,9 +142,17 @@ def test_parallel_tool_calls_false_keeps_the_first_call(tiny):
     text = "\n".join(f'<tool_call>{{"name": "add", "arguments": {{"a": {a}}}}}</tool_call>' for a in (1, 2))
     for one, want in ((False, 2), (True, 1)):
         req = Parsed(
-            ids=[1], params=SamplingParams(max_tokens=4), effort="none", stream=False, workload="w",
-            details=False, meta_info=False, token_ids=False, tool_names=NAMES, one_call=one,
-        )  # fmt: skip
+            ids=[1],
+            params=SamplingParams(max_tokens=4),
+            effort="none",
+            stream=False,
+            workload="w",
+            details=False,
+            meta_info=False,
+            token_ids=False,
+            tool_names=NAMES,
+            one_call=one,
+        )
         _, calls, finish = service.reply(req, text, "stop")
         assert len(calls) == want and finish == "tool_calls" and '"a": 1' in calls[0]["function"]["arguments"]
     body = {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": False}

@@ -144,9 +144,14 @@ def test_agent_traffic_through_the_proxy_exports_as_traces(stack, smollm2, tmp_p
     client = OpenAI(base_url=stack["proxy"] + "/v1", api_key=KEY)
     sent = {}
     for i, stream in enumerate((False, True)):
-        kw = dict(model="smol", max_tokens=8, temperature=0, reasoning_effort="low",
-                  metadata={"workload": "office", "episode_id": "ep-1", "task_id": "t-1"},
-                  messages=[{"role": "user", "content": f"Say {i} things."}])  # fmt: skip
+        kw = dict(
+            model="smol",
+            max_tokens=8,
+            temperature=0,
+            reasoning_effort="low",
+            metadata={"workload": "office", "episode_id": "ep-1", "task_id": "t-1"},
+            messages=[{"role": "user", "content": f"Say {i} things."}],
+        )
         if stream:
             rid = {c.id for c in client.chat.completions.create(stream=True, **kw)}.pop()
         else:
@@ -180,8 +185,20 @@ def test_proxy_fails_fast_on_a_busy_port_and_its_child_dies_with_it(stack, tmp_p
     import socket
 
     def cli(port):
-        return [sys.executable, "-m", "dspine.cli", "proxy", "--backend", f"smol={stack['server']}/v1@smol-backend",
-                "--port", str(port), "--db", str(tmp_path / "a.db"), "--workdir", str(tmp_path / "w")]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "dspine.cli",
+            "proxy",
+            "--backend",
+            f"smol={stack['server']}/v1@smol-backend",
+            "--port",
+            str(port),
+            "--db",
+            str(tmp_path / "a.db"),
+            "--workdir",
+            str(tmp_path / "w"),
+        ]
 
     env = {**os.environ, "DSPINE_PROXY_KEY": KEY}
     with socket.socket() as busy:
@@ -243,18 +260,41 @@ def test_dashboard_renders_the_recorded_data_in_chromium(stack):
     cells = {"tool/low": (1.73, 2.41), "tool/high": (1.70, 2.02), "swe/low": (1.52, 1.98)}
     per_cell = {c: {"base": b, "adapted": a, "ratio": a / b} for c, (b, a) in cells.items()}
     deploys = [
-        {"ts": 1.7e9, "group": "all", "drafter": "loop/iter-000/finetune/all", "action": "refused",
-         "reasons": ["office/high: τ ratio 0.984 < 1.0"], "gated_tau": 2.0},
-        {"ts": 1.7e9 + 600, "group": "all", "drafter": "loop/iter-002/finetune/all", "action": "deployed",
-         "live": {"tau": 2.31, "requests": 4}, "gated_tau": 2.2, "reasons": None},
-    ]  # fmt: skip
+        {
+            "ts": 1.7e9,
+            "group": "all",
+            "drafter": "loop/iter-000/finetune/all",
+            "action": "refused",
+            "reasons": ["office/high: τ ratio 0.984 < 1.0"],
+            "gated_tau": 2.0,
+        },
+        {
+            "ts": 1.7e9 + 600,
+            "group": "all",
+            "drafter": "loop/iter-002/finetune/all",
+            "action": "deployed",
+            "live": {"tau": 2.31, "requests": 4},
+            "gated_tau": 2.2,
+            "reasons": None,
+        },
+    ]
     iterations = [
-        {"iteration": 0, "action": "adapted", "per_cell": {"tool/low": {"base": 1.7, "adapted": 1.6, "ratio": 0.94}},
-         "general_regression": 0.03, "deploys": [{"group": "all", "action": "refused"}]},
+        {
+            "iteration": 0,
+            "action": "adapted",
+            "per_cell": {"tool/low": {"base": 1.7, "adapted": 1.6, "ratio": 0.94}},
+            "general_regression": 0.03,
+            "deploys": [{"group": "all", "action": "refused"}],
+        },
         {"iteration": 1, "action": "skipped", "reason": "3 new trace rows < min_rows 8"},
-        {"iteration": 2, "action": "adapted", "per_cell": per_cell, "general_regression": 0.004,
-         "deploys": [{"group": "all", "action": "deployed"}]},
-    ]  # fmt: skip
+        {
+            "iteration": 2,
+            "action": "adapted",
+            "per_cell": per_cell,
+            "general_regression": 0.004,
+            "deploys": [{"group": "all", "action": "deployed"}],
+        },
+    ]
     (loop / "loop.json").write_text(json.dumps(iterations))
     (loop / "deploys.jsonl").write_text("".join(json.dumps(d) + "\n" for d in deploys))
     port = free_port()
@@ -366,12 +406,26 @@ def test_store_summary_orders_levels_fills_gaps_and_splits_drafters(tmp_path):
             ("a", "zeta", 1400.0),
         ]
     ):
-        store.append(RequestRecord(request_id=f"r{i}", model="m", drafter=d, workload="w", thinking=t, stream=False,
-                                   accept_hist=[1, 1], ts=ts))  # fmt: skip
+        store.append(
+            RequestRecord(
+                request_id=f"r{i}",
+                model="m",
+                drafter=d,
+                workload="w",
+                thinking=t,
+                stream=False,
+                accept_hist=[1, 1],
+                ts=ts,
+            )
+        )
     s = store.summary(bucket_s=60)
     assert [(c["drafter"], c["thinking"]) for c in s["cells"]] == [
-        ("a", "none"), ("a", "low"), ("a", "high"), ("a", "zeta"), ("b", "low")
-    ]  # fmt: skip
+        ("a", "none"),
+        ("a", "low"),
+        ("a", "high"),
+        ("a", "zeta"),
+        ("b", "low"),
+    ]
     assert [x["t"] for x in s["series"]] == [960 + 60 * i for i in range(8)]
     assert [x["requests"] for x in s["series"]] == [3, 0, 0, 0, 0, 0, 0, 2]
     assert [x["tau_mean"] is None for x in s["series"]] == [False] + [True] * 6 + [False]
@@ -384,8 +438,9 @@ def test_bad_input_through_the_proxy_gets_the_servers_4xx(stack, name, body, raw
     """The server's bad-input table sent through the proxy: the same status and words (LiteLLM never answers
     500 or a misleading message), nothing recorded, both processes alive."""
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(stack["proxy"] + "/v1/chat/completions", data,
-                                 {"Content-Type": ctype, "Authorization": f"Bearer {KEY}"})  # fmt: skip
+    req = urllib.request.Request(
+        stack["proxy"] + "/v1/chat/completions", data, {"Content-Type": ctype, "Authorization": f"Bearer {KEY}"}
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=120)
     text = e.value.read().decode()
@@ -400,14 +455,26 @@ def test_a_down_backend_is_503_and_an_abandoned_stream_is_recorded_with_its_tau(
 
     before = {r["request_id"] for r in _rows(stack["cfg"].db)}
     body = {"model": "down", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(stack["proxy"] + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                   timeout=60)  # fmt: skip
+    r = httpx.post(
+        stack["proxy"] + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    )
     assert r.status_code == 503 and "cannot be reached" in r.json()["error"]["message"], r.text
 
-    long = {"model": "smol", "stream": True, "max_tokens": 150, "temperature": 0, "metadata": {"workload": "gone"},
-            "messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}  # fmt: skip
-    with httpx.stream("POST", stack["proxy"] + "/v1/chat/completions", json=long, timeout=120,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:  # fmt: skip
+    long = {
+        "model": "smol",
+        "stream": True,
+        "max_tokens": 150,
+        "temperature": 0,
+        "metadata": {"workload": "gone"},
+        "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
+    }
+    with httpx.stream(
+        "POST",
+        stack["proxy"] + "/v1/chat/completions",
+        json=long,
+        timeout=120,
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as r:
         events = 0
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -443,11 +510,22 @@ def test_routes_send_a_workload_to_its_backend(stack):
 
     def ask(workload, effort):
         msg = [{"role": "user", "content": f"One word for {workload}."}]
-        return client.chat.completions.create(model="smol", max_tokens=4, temperature=0, reasoning_effort=effort,
-                                              metadata={"workload": workload}, messages=msg).id  # fmt: skip
+        return client.chat.completions.create(
+            model="smol",
+            max_tokens=4,
+            temperature=0,
+            reasoning_effort=effort,
+            metadata={"workload": workload},
+            messages=msg,
+        ).id
 
-    sent = {ask("office", "none"): "smol-office", ask("office", "high"): "smol-office",
-            ask("review", "high"): "smol-office", ask("review", "low"): "smol", ask("swe", "none"): "smol"}  # fmt: skip
+    sent = {
+        ask("office", "none"): "smol-office",
+        ask("office", "high"): "smol-office",
+        ask("review", "high"): "smol-office",
+        ask("review", "low"): "smol",
+        ask("swe", "none"): "smol",
+    }
     deadline = time.time() + 60
     while time.time() < deadline and not set(sent) <= {r["request_id"] for r in _rows(stack["cfg"].db)}:
         time.sleep(0.25)

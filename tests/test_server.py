@@ -222,8 +222,10 @@ def test_n_logprobs_and_penalties_are_honoured(server, smollm2):
     assert got == want and want != Engine(smollm2).generate(CHAT["messages"], SamplingParams(max_tokens=24)).text
 
     short = {**CHAT, "max_tokens": 64, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-    ends = [json.loads(post(server, "/v1/chat/completions", {**short, **kw})[1])["choices"][0]
-            for kw in ({}, {"ignore_eos": True})]  # fmt: skip
+    ends = [
+        json.loads(post(server, "/v1/chat/completions", {**short, **kw})[1])["choices"][0]
+        for kw in ({}, {"ignore_eos": True})
+    ]
     assert ends[0]["finish_reason"] == "stop" and ends[1]["finish_reason"] == "length"  # ignore_eos decodes on
 
     sampled = {**CHAT, "max_tokens": 12, "n": 2, "temperature": 1.0, "seed": 7}
@@ -350,8 +352,9 @@ def test_limits_disconnects_and_sigterm(tmp_path):
 
     proc, base = start_server_process(None, "smol", extra=["--max-queue", "2", "--grace-seconds", "3"])
     try:
-        req = urllib.request.Request(base + "/v1/completions", json.dumps(LONG).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            base + "/v1/completions", json.dumps(LONG).encode(), {"Content-Type": "application/json"}
+        )
         with pytest.raises((TimeoutError, socket.timeout, urllib.error.URLError)):
             urllib.request.urlopen(req, timeout=2)
         deadline, rec = time.time() + 30, None

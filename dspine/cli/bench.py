@@ -48,8 +48,9 @@ def add_bench(sub) -> None:
         "--drafter",
         action="append",
         default=[],
-        metavar="NAME=CHECKPOINT",
-        help="a drafter to measure (repeatable); AR is always measured in the same run",
+        metavar="NAME=SPEC",
+        help="a drafter to measure (repeatable): SPEC a checkpoint, builtin, suffix (suffix drafting alone) or "
+        "CHECKPOINT+suffix (the hybrid); AR is always measured in the same run",
     )
     bn.add_argument("--benchmarks", default="gsm8k,mt_bench", help="comma-separated (default: %(default)s)")
     bn.add_argument("--limit", type=int, default=4, help="items per benchmark (default: %(default)s)")
@@ -140,8 +141,8 @@ def add_eval(sub) -> None:
         "--drafter",
         action="append",
         default=[],
-        metavar="NAME=CHECKPOINT",
-        help="a drafter to evaluate (repeatable), e.g. dspine=runs/a/best",
+        metavar="NAME=SPEC",
+        help="a drafter to evaluate (repeatable), e.g. dspine=runs/a/best, hybrid=builtin+suffix, lookup=suffix",
     )
     e.add_argument(
         "--benchmarks",
@@ -196,7 +197,7 @@ def cmd_bench(a) -> int:
     if not a.temperature >= 0 or (a.temperature and a.backend == "sglang"):
         raise UsageError(f"--temperature {a.temperature}: >= 0, and 0 with --backend sglang")
     a.dtype = dtypes[0]
-    specs = drafter_specs(a.drafter, a.target)
+    specs, suffix = drafter_specs(a.drafter, a.target)
     conc = _concurrencies(a.concurrency or ("1,4,16,32" if a.backend == "sglang" else "1"))
     if a.backend == "sglang":
         from dspine.sglang.bench import SGLangBenchConfig, run_sglang_bench
@@ -217,6 +218,8 @@ def cmd_bench(a) -> int:
             server_env=a.server_env,
             progress=not a.no_progress,
         )
+        if suffix:
+            raise UsageError("suffix drafting runs in the embedded engine (--backend engine); SGLang has its own NGRAM")
         doc = run_sglang_bench(cfg, benches, specs, conc)
     else:
         asked = vars(a).copy()  # _bench_models narrows a.draft_dtype to its first
@@ -233,6 +236,7 @@ def cmd_bench(a) -> int:
             concurrencies=conc,
             draft_lens=_draft_lens(a.draft_lens) if a.draft_lens else None,
             other_targets=others,
+            suffix=suffix,
         )
         if a.summary:
             from dspine.eval.bench import cpu_summary
@@ -264,7 +268,7 @@ def _bench_models(a, specs: dict[str, str]):
         dt = draft_dtype(x, target.dtype, a.device)
         tag = dtype_tag(str(dt))
         for n, d in drafters.items():
-            out[f"{n}/{tag}"] = d if d.decode_dtype == dt else load_at(specs[n], target, dt, a.device)
+            out[f"{n}/{tag}"] = d if d is None or d.decode_dtype == dt else load_at(specs[n], target, dt, a.device)
     return target, out
 
 
@@ -320,7 +324,7 @@ def cmd_eval(a) -> int:
         raise UsageError("--workers must be >= 1")
     if a.turns is not None and a.turns < 1:
         raise UsageError("--turns must be >= 1")
-    specs = drafter_specs(a.drafter, a.target)
+    specs, suffix = drafter_specs(a.drafter, a.target)
     trees = {}
     for t in a.draft_tree:
         name, sep, spec = t.partition("=")
@@ -348,6 +352,7 @@ def cmd_eval(a) -> int:
         drafter_paths=specs,
         max_turns=a.turns,
         trees=trees,
+        suffix=suffix,
     )
     write_results(doc, a.out)
     print(markdown_table(doc))

@@ -58,13 +58,30 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     add_arguments(p, EngineOptions)
 
 
-def engine_from_args(a, target, drafter):
-    """The engine for the parsed options (those not given: the device's defaults, EngineOptions.build)."""
+DRAFTER_SPEC = "a checkpoint folder, builtin, none, suffix (suffix drafting alone) or CHECKPOINT+suffix (hybrid)"
+
+
+def split_drafter_spec(spec: str | None) -> tuple[str | None, bool]:
+    """A --drafter value -> (the model drafter's part, suffix drafting on): "builtin+suffix" -> ("builtin", True),
+    "suffix" -> ("none", True)."""
+    if spec is None or "+" not in spec and spec != "suffix":
+        return spec, False
+    if spec == "suffix":
+        return "none", True
+    base, _, extra = spec.rpartition("+")
+    if extra != "suffix" or not base or "+" in base or base in ("none", "suffix"):
+        raise UsageError(f"--drafter {spec!r}: {DRAFTER_SPEC}")
+    return base, True
+
+
+def engine_from_args(a, target, drafter, suffix: bool = False):
+    """The engine for the parsed options (those not given: the device's defaults, EngineOptions.build); `suffix`:
+    suffix drafting on (the drafter spec asked for it)."""
     from dspine.config import from_arguments
     from dspine.engine import EngineOptions
 
     try:
-        return from_arguments(EngineOptions, a).build(target, drafter)
+        return from_arguments(EngineOptions, a, suffix=suffix).build(target, drafter)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -92,20 +109,27 @@ def benchmark_names(text: str) -> list[str]:
     return names
 
 
-def drafter_specs(items: list[str], target: str) -> dict[str, str]:
-    """NAME=CHECKPOINT options (CHECKPOINT may be 'builtin') -> {name: path}; each config is read now, before
-    the target is loaded."""
+def drafter_specs(items: list[str], target: str) -> tuple[dict[str, str | None], set[str]]:
+    """NAME=SPEC options (SPEC as --drafter takes it: a checkpoint, 'builtin', 'suffix', CHECKPOINT+suffix) ->
+    ({name: checkpoint path, None for suffix drafting alone}, the names that draft with suffix drafting); each
+    config is read now, before the target is loaded."""
     from dspine.checkpoint import read_config, resolve_drafter
 
-    specs = {}
+    specs, suffix = {}, set()
     for d in items:
         if "=" not in d:
             raise UsageError(f"--drafter {d!r} is not NAME=CHECKPOINT")
-        name, path = d.split("=", 1)
-        path = resolve_drafter(path, target) or path
-        read_config(path)
+        name, spec = d.split("=", 1)
+        base, with_suffix = split_drafter_spec(spec)
+        path = None if base == "none" else resolve_drafter(base, target) or base
+        if path is None and not with_suffix:
+            raise UsageError(f"--drafter {d!r}: AR is always measured; name a drafter")
+        if path is not None:
+            read_config(path)
         specs[name] = path
-    return specs
+        if with_suffix:
+            suffix.add(name)
+    return specs, suffix
 
 
 def load_models(a, specs: dict[str, str]):

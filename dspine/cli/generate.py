@@ -11,6 +11,7 @@ from dspine.cli.common import (
     add_target,
     drafter_dtype,
     engine_from_args,
+    split_drafter_spec,
     torch_dtype,
 )
 from dspine.methods import METHODS
@@ -28,8 +29,10 @@ def add_generate(sub) -> None:
     add_draft_dtype(g)
     g.add_argument(
         "--drafter",
-        help="drafter checkpoint folder (config.json + model.safetensors), 'builtin' or 'none' (default: builtin "
-        "for the built-in target unless --method ar)",
+        help="drafter checkpoint folder (config.json + model.safetensors), 'builtin' or 'none'; 'suffix': suffix "
+        "drafting alone (drafts from the prompt and the output so far, no weights); CHECKPOINT+suffix (e.g. "
+        "builtin+suffix): both merged into one verified tree (default: builtin for the built-in target unless "
+        "--method ar)",
     )
     add_engine_options(g)
     g.add_argument(
@@ -60,7 +63,8 @@ def cmd_generate(a) -> int:
     from dspine.sampling import SamplingParams
     from dspine.target import load_target
 
-    a.drafter = resolve_drafter(a.drafter, a.target, default=a.method in (None, "dspine"))
+    spec, suffix = split_drafter_spec(a.drafter)
+    a.drafter = resolve_drafter(spec, a.target, default=a.method in (None, "dspine"))
     saved = read_config(a.drafter).method if a.drafter else None
     method = a.method or saved or "ar"
     if method != "ar" and not a.drafter:
@@ -71,7 +75,7 @@ def cmd_generate(a) -> int:
     drafter = None
     if method != "ar":
         drafter = load_drafter(a.drafter, target, dtype=drafter_dtype(a, target), device=a.device)
-    engine = engine_from_args(a, target, drafter)
+    engine = engine_from_args(a, target, drafter, suffix)
     if a.chat:
         with open(a.chat) as f:
             prompt = json.load(f)

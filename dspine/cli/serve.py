@@ -13,6 +13,7 @@ from dspine.cli.common import (
     add_target,
     drafter_dtype,
     engine_from_args,
+    split_drafter_spec,
     torch_dtype,
 )
 from dspine.config import add_arguments
@@ -31,8 +32,10 @@ def add_serve(sub) -> None:
     add_draft_dtype(s)
     s.add_argument(
         "--drafter",
-        help="drafter checkpoint folder, 'builtin' (the drafter shipped for the built-in target) or 'none' "
-        "(AR) (default: builtin for the built-in target, else none)",
+        help="drafter checkpoint folder, 'builtin' (the drafter shipped for the built-in target) or 'none' (AR); "
+        "'suffix': suffix drafting alone (no weights: the request's prompt and output, and the served traffic so far); "
+        "CHECKPOINT+suffix (e.g. builtin+suffix): both merged into one verified tree (default: builtin for the "
+        "built-in target, else none)",
     )
     add_engine_options(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
@@ -120,7 +123,8 @@ def cmd_serve(a) -> int:
         cfg = from_arguments(ServeConfig, a, draft_dtype=a.draft_dtype)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    a.drafter = resolve_drafter(a.drafter, a.target, default=True)
+    spec, suffix = split_drafter_spec(a.drafter)
+    a.drafter = resolve_drafter(spec, a.target, default=True)
     from dspine.serve.protocol import split_route
 
     routes = {}
@@ -133,7 +137,7 @@ def cmd_serve(a) -> int:
     target = load_target(a.target, dtype=torch_dtype(a.dtype), device=a.device)
     drafter = load_drafter(a.drafter, target, dtype=drafter_dtype(a, target), device=a.device) if a.drafter else None
     name = drafter_label(a.drafter) if a.drafter else None
-    engine = engine_from_args(a, target, drafter)
+    engine = engine_from_args(a, target, drafter, suffix)
     serve(engine, a.host, a.port, cfg, drafter_name=name, drafter_path=a.drafter, routes=routes)
     return 0
 

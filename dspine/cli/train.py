@@ -140,6 +140,11 @@ def cmd_export(a) -> int:
     from dspine.checkpoint import resolve_drafter
     from dspine.sglang.export import export_sglang
 
-    print(json.dumps(export_sglang(resolve_drafter(a.drafter, a.target), a.out, torch_dtype(a.dtype), top_k=a.top_k,
-                                   target=a.target)))  # fmt: skip
+    print(
+        json.dumps(
+            export_sglang(
+                resolve_drafter(a.drafter, a.target), a.out, torch_dtype(a.dtype), top_k=a.top_k, target=a.target
+            )
+        )
+    )
     return 0

@@ -75,6 +75,7 @@ def evaluate(
     drafter_paths: dict | None = None,
     max_turns: int | None = None,
     trees: dict | None = None,
+    suffix: set | None = None,
 ) -> dict:
     """drafters: name -> DSpineDraftModel. Returns {"results": {bench: {"T0": {method: {...}}}}, ...}.
 
@@ -84,7 +85,8 @@ def evaluate(
     (folder, decode knobs): `load_at`). Results are
     identical to workers=1. `max_turns` asks only the first turns of multi-turn items (MT-Bench) — what a
     single-turn server benchmark sends. `trees`: name -> draft tree (a decoding.DraftTree or its spec) for drafters
-    whose rounds verify a tree instead of the chain of block_size - 1 drafts.
+    whose rounds verify a tree instead of the chain of block_size - 1 drafts. `suffix`: the names whose engines
+    draft with suffix drafting too (their drafter None: suffix drafting alone; engine.Engine's `suffix`).
     """
     import dataclasses
 
@@ -99,14 +101,14 @@ def evaluate(
     per_item: dict = {}
     bar = tqdm(total=len(units), desc="eval", disable=not progress)
     if workers <= 1:
-        engines = _engines(target, drafters, trees)
+        engines = _engines(target, drafters, trees, suffix)
         for b, i, it in units:
             per_item[b, i] = eval_item(engines, it, temperatures, max_new_tokens, seed + i)
             bar.update(1)
     else:
         import concurrent.futures as cf
 
-        with _pool(workers, target_spec, drafter_paths, trees) as pool:
+        with _pool(workers, target_spec, drafter_paths, trees, suffix) as pool:
             futs = {pool.submit(_worker_item, it, temperatures, max_new_tokens, seed + i): (b, i) for b, i, it in units}
             for f in cf.as_completed(futs):
                 per_item[futs[f]] = f.result()
@@ -144,7 +146,7 @@ def evaluate(
         "means": benchmark_means(results),
         "temperatures": {temperature_key(T): T for T in temperatures},
         **provenance(),
-        "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
+        "config_hashes": {n: config_hash(d) for n, d in drafters.items() if d is not None},
         "limit": limit,
         "max_new_tokens": max_new_tokens,
         "target": target.name,
@@ -152,6 +154,7 @@ def evaluate(
         "workers": workers,
         "max_turns": max_turns,
         "draft_trees": {n: str(t) for n, t in trees.items()},
+        "suffix_drafting": sorted(suffix or []),
     }
 
 
@@ -206,8 +209,13 @@ def _replay_one(engines: dict, name: str, prompt_ids: list[int], forced: list[in
 
 
 def _stats_of(st) -> dict:
-    return {"tau": st.tau, "rounds": st.rounds, "accepted": st.accepted, "accept_hist": st.accept_hist,
-            "block_size": st.block_size}  # fmt: skip
+    return {
+        "tau": st.tau,
+        "rounds": st.rounds,
+        "accepted": st.accepted,
+        "accept_hist": st.accept_hist,
+        "block_size": st.block_size,
+    }
 
 
 def check_trees(drafters: dict, trees: dict | None) -> dict[str, DraftTree]:
@@ -215,8 +223,10 @@ def check_trees(drafters: dict, trees: dict | None) -> dict[str, DraftTree]:
     naming the problem otherwise)."""
     out = {}
     for name, spec in (trees or {}).items():
-        if name not in drafters:
-            raise ValueError(f"draft tree for {name!r}: no drafter of that name (drafters: {', '.join(drafters)})")
+        if name not in drafters or drafters[name] is None:
+            raise ValueError(
+                f"draft tree for {name!r}: no model drafter of that name (drafters: {', '.join(drafters)})"
+            )
         try:
             out[name] = DraftTree.for_drafter(spec, drafters[name].config)
         except ValueError as e:
@@ -224,13 +234,20 @@ def check_trees(drafters: dict, trees: dict | None) -> dict[str, DraftTree]:
     return out
 
 
-def _engines(target, drafters: dict, trees: dict | None = None) -> dict[str, Engine]:
-    """AR's engine and each drafter's (through its draft tree where `trees` names one)."""
-    trees = trees or {}
-    return {"ar": Engine(target), **{n: Engine(target, d, tree=trees.get(n)) for n, d in drafters.items()}}
+def _engines(target, drafters: dict, trees: dict | None = None, suffix: set | None = None) -> dict[str, Engine]:
+    """AR's engine and each drafter's (through its draft tree where `trees` names one; with suffix drafting for the
+    names in `suffix`)."""
+    from dspine.suffix import SuffixConfig
+
+    trees, suffix = trees or {}, suffix or set()
+    cfg = lambda n: SuffixConfig() if n in suffix else None
+    return {
+        "ar": Engine(target),
+        **{n: Engine(target, d, tree=trees.get(n), suffix=cfg(n)) for n, d in drafters.items()},
+    }
 
 
-def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None, trees: dict | None = None):
+def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None, trees: dict | None = None, suffix=None):
     import concurrent.futures as cf
     import multiprocessing as mp
 
@@ -242,14 +259,16 @@ def _pool(workers: int, target_spec: tuple | None, drafter_paths: dict | None, t
         workers,
         mp_context=ctx,
         initializer=_worker_init,
-        initargs=(target_spec, drafter_paths, threads, ctx.Value("i", 0), trees),
+        initargs=(target_spec, drafter_paths, threads, ctx.Value("i", 0), trees, suffix),
     )
 
 
 _ENGINES: dict = {}
 
 
-def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int, counter, trees: dict | None = None) -> None:
+def _worker_init(
+    target_spec: tuple, drafter_paths: dict, threads: int, counter, trees: dict | None = None, suffix=None
+) -> None:
     """Load the models once per worker; with device "cuda" and several visible GPUs, worker i takes GPU
     i mod count (the requests are independent, so any spread gives the same results)."""
     torch.set_num_threads(threads)
@@ -259,7 +278,7 @@ def _worker_init(target_spec: tuple, drafter_paths: dict, threads: int, counter,
     if device == "cuda" and torch.cuda.device_count() > 1:
         torch.cuda.set_device(index % torch.cuda.device_count())
     target, drafters = load_models(spec, dtype, device, drafter_paths)
-    _ENGINES.update(_engines(target, drafters, trees))
+    _ENGINES.update(_engines(target, drafters, trees, suffix))
 
 
 def _worker_item(item, temperatures, max_new_tokens, seed):
@@ -292,8 +311,9 @@ def markdown_table(doc: dict) -> str:
     lines = []
     for key in temperatures(doc):
         lines.append(f"\n**{_label(doc, key)}** (τ = mean of per-request acceptance lengths)\n")
-        rows = [[m, *(f"{results[b][key][m]['tau_mean']:.3f}" for b in results), f"{means[key][m]:.3f}"]
-                for m in methods]  # fmt: skip
+        rows = [
+            [m, *(f"{results[b][key][m]['tau_mean']:.3f}" for b in results), f"{means[key][m]:.3f}"] for m in methods
+        ]
         lines.append(md_table(["method", *results, "mean"], rows))
         trees = ["", *(f"_{m[len('dspine_') :]}" for m in doc.get("draft_trees", {}) if m.startswith("dspine_"))]
         for a, b in (("dspine", "dflash"), ("dspine", "post_backbone")):
@@ -349,8 +369,10 @@ def slot_table(doc: dict) -> str:
             f"\n**Per-slot acceptance at {_label(doc, key)}**, pooled over the benchmarks: "
             "P(slot k accepted), and in brackets P(slot k accepted | slot k−1 accepted)\n"
         )
-        rows = [[m, *(f"{a:.3f} ({c:.2f})" for a, c in zip(g["per_slot"][:n], g["per_slot_conditional"][:n]))]
-                for m, g in pooled.items()]  # fmt: skip
+        rows = [
+            [m, *(f"{a:.3f} ({c:.2f})" for a, c in zip(g["per_slot"][:n], g["per_slot_conditional"][:n]))]
+            for m, g in pooled.items()
+        ]
         lines.append(md_table(["method", *(f"slot {k}" for k in range(1, n + 1))], rows))
     return "\n".join(lines) + "\n" if lines else ""
 

@@ -48,6 +48,7 @@ def engine_bench(
     concurrencies: list[int] | None = None,
     draft_lens: list[int | tuple] | None = None,
     other_targets: dict | None = None,
+    suffix: set | None = None,
 ) -> dict:
     """Concurrency 1: one request at a time, phases timed. Concurrency c > 1: c requests in flight
     (engine.generate_stream), throughput and τ only. `draft_lens`: each drafter is measured at each of these
@@ -58,25 +59,32 @@ def engine_bench(
     Every request (or chunk of requests) runs on all engines in turn before the next,
     so a machine whose speed drifts (a shared VM) shifts every row alike; each row's tokens/s is over its own
     decoding time, after one short untimed request per engine. `other_targets` {DTYPE tag: (target, drafters)}:
-    the same rows for the target in another dtype, named NAME@TAG (module docstring)."""
+    the same rows for the target in another dtype, named NAME@TAG (module docstring). `suffix`: the drafter names
+    that draft with suffix drafting too (a None drafter: suffix drafting alone, one row whatever `draft_lens`)."""
     from tqdm.auto import tqdm
+
+    from dspine.suffix import SuffixConfig
 
     items = [(b, it) for b in benchmarks for it in load_benchmark(b, limit)]
     engines: dict[str, Engine] = {}
     own_ar: dict[str, str] = {}  # row -> the AR row of its target
     sets = {"": (target, drafters), **{f"@{k}": v for k, v in (other_targets or {}).items()}}
-    for suffix, (tgt, drs) in sets.items():
-        engines["ar" + suffix], own_ar["ar" + suffix] = Engine(tgt), "ar" + suffix
+    for suffix_tag, (tgt, drs) in sets.items():
+        engines["ar" + suffix_tag], own_ar["ar" + suffix_tag] = Engine(tgt), "ar" + suffix_tag
         for n, d in drs.items():
+            sfx = SuffixConfig() if n in (suffix or ()) else None
+            if d is None:  # suffix drafting alone
+                engines[n + suffix_tag], own_ar[n + suffix_tag] = Engine(tgt, None, suffix=sfx), "ar" + suffix_tag
+                continue
             for D in draft_lens or [None]:
                 D, S, M = D if isinstance(D, tuple) else (D, None, None)
                 tree = D if isinstance(D, str) else None  # a draft tree's spec (decoding.DraftTree)
                 head = f"t{tree}" if tree else f"d{D}"
                 cap = f"m{M}" if isinstance(M, int) else (M or "")
-                name = (n if D is None else f"{n}/{head}" + (f"b{S}" if S else "") + cap) + suffix
+                name = (n if D is None else f"{n}/{head}" + (f"b{S}" if S else "") + cap) + suffix_tag
                 cap_m = M if isinstance(M, int) else None
-                engines[name] = Engine(tgt, d, None if tree else D, S, cap_m, tree, goodput=M == "g")
-                own_ar[name] = "ar" + suffix
+                engines[name] = Engine(tgt, d, None if tree else D, S, cap_m, tree, M == "g", sfx)
+                own_ar[name] = "ar" + suffix_tag
     # untimed first: a path's first call compiles (Triton's JIT, CUDA's handles) and would bill it to one row
     for eng in engines.values():
         eng.generate(items[0][1].turns[0], SamplingParams(max_tokens=16, temperature=temperature, seed=0))
@@ -155,8 +163,9 @@ def _bench_single(
     return rows, tau_bench
 
 
-def _bench_batched(engines: dict, own_ar: dict, items: list, c: int, max_new_tokens: int, temperature: float,
-                   bar) -> dict:  # fmt: skip
+def _bench_batched(
+    engines: dict, own_ar: dict, items: list, c: int, max_new_tokens: int, temperature: float, bar
+) -> dict:
     """c requests in flight, the items in chunks of 3c, every chunk on all engines in turn (so that a drifting
     machine shifts every row alike) -> rows (throughput and τ; and the decode alone: the tokens after each
     request's first, which its prefill gives, over the seconds outside prefills — what speculation can speed up).
@@ -205,32 +214,52 @@ def cpu_summary(doc: dict) -> dict:
             **{f"spec_vs_ar_c{c}": cr[name]["speedup_vs_ar"] for c, cr in by_conc.items() if c != "1"},
         }
     keep = ("benchmarks", "limit", "max_new_tokens", "dtype", "git_sha", "command", "hardware")
-    return {"rows": out, "ar_tokens_per_s_c1": rows["ar"]["tokens_per_s"], **{k: doc.get(k) for k in keep},
-            "other_dtypes": doc.get("other_dtypes") or {}}  # fmt: skip
+    return {
+        "rows": out,
+        "ar_tokens_per_s_c1": rows["ar"]["tokens_per_s"],
+        **{k: doc.get(k) for k in keep},
+        "other_dtypes": doc.get("other_dtypes") or {},
+    }
 
 
 def _method_rows(doc: dict) -> str:
     rows = []
     for name, r in doc["rows"].items():
         split = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phase_ms_per_round", {}).items()) or "—"
-        rows.append([name, f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}",
-                     f"{r.get('speedup_vs_own_ar', r['speedup_vs_ar']):.2f}", f"{r.get('tau_mean', 1.0):.3f}",
-                     f"{r.get('round_ms', r.get('ar_step_ms', 0)):.2f}", f"{r.get('round_over_ar_step', 1.0):.2f}",
-                     f"{r['match_ar']:.2f}" if "match_ar" in r else "—", split])  # fmt: skip
+        rows.append(
+            [
+                name,
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['speedup_vs_ar']:.2f}",
+                f"{r.get('speedup_vs_own_ar', r['speedup_vs_ar']):.2f}",
+                f"{r.get('tau_mean', 1.0):.3f}",
+                f"{r.get('round_ms', r.get('ar_step_ms', 0)):.2f}",
+                f"{r.get('round_over_ar_step', 1.0):.2f}",
+                f"{r['match_ar']:.2f}" if "match_ar" in r else "—",
+                split,
+            ]
+        )
     header = ["method", "tok/s", "× AR", "× own AR", "τ", "round ms", "round / AR step", "= AR", "round split, ms"]
     return md_table(header, rows)
 
 
 def _concurrency_rows(doc: dict) -> str:
     names = list(doc["rows"])
-    rows = [[c, *(f"{r[n]['tokens_per_s']:.0f} ({r[n]['speedup_vs_ar']:.2f})" for n in names)]
-            for c, r in doc["by_concurrency"].items()]  # fmt: skip
+    rows = [
+        [c, *(f"{r[n]['tokens_per_s']:.0f} ({r[n]['speedup_vs_ar']:.2f})" for n in names)]
+        for c, r in doc["by_concurrency"].items()
+    ]
     parts = [md_table(["concurrency", *(f"{n} tok/s (× AR)" for n in names)], rows)]
     batched = [(c, r) for c, r in doc["by_concurrency"].items() if "decode_tokens_per_s" in r.get("ar", {})]
     if batched:  # the decode alone, prefills left out
-        rows = [[c, f"{r['ar']['prefill_s'] / r['ar']['seconds']:.2f}",
-                 *(f"{r[n]['decode_tokens_per_s']:.0f} ({r[n]['decode_vs_ar']:.2f})" for n in names)]
-                for c, r in batched]  # fmt: skip
+        rows = [
+            [
+                c,
+                f"{r['ar']['prefill_s'] / r['ar']['seconds']:.2f}",
+                *(f"{r[n]['decode_tokens_per_s']:.0f} ({r[n]['decode_vs_ar']:.2f})" for n in names),
+            ]
+            for c, r in batched
+        ]
         header = ["concurrency", "AR's time in prefill", *(f"{n} decode tok/s (× AR)" for n in names)]
         parts.append(md_table(header, rows))
     return "\n\n".join(parts)
@@ -241,19 +270,44 @@ def _timing_rows(timed: list) -> str:
     rows = []
     for c, n, r in timed:
         ph = r["phase_ms_per_round"]
-        rows.append([c, n, r["timed_rounds"], f"{r['gpu_round_ms']:.2f}",
-                     f"{ph['draft']:.2f} / {ph['verify']:.2f} / {ph['glue']:.2f}", f"{r['prefill_ms_total']:.0f}",
-                     f"{r['outside_rounds_s']:.2f}", f"{r['seconds']:.2f}"])  # fmt: skip
-    header = ["concurrency", "method", "rounds", "GPU round ms", "draft / verify / glue ms", "prefills ms",
-              "outside rounds s", "wall s"]  # fmt: skip
+        rows.append(
+            [
+                c,
+                n,
+                r["timed_rounds"],
+                f"{r['gpu_round_ms']:.2f}",
+                f"{ph['draft']:.2f} / {ph['verify']:.2f} / {ph['glue']:.2f}",
+                f"{r['prefill_ms_total']:.0f}",
+                f"{r['outside_rounds_s']:.2f}",
+                f"{r['seconds']:.2f}",
+            ]
+        )
+    header = [
+        "concurrency",
+        "method",
+        "rounds",
+        "GPU round ms",
+        "draft / verify / glue ms",
+        "prefills ms",
+        "outside rounds s",
+        "wall s",
+    ]
     return md_table(header, rows)
 
 
 def _agreement_rows(doc: dict) -> str:
     agree = doc["engine_agreement"]
-    rows = [[b, *(f"{a['per_benchmark'][b]['sglang']:.3f} / {a['per_benchmark'][b]['engine']:.3f} "
-                  f"({a['per_benchmark'][b]['ratio']:.3f})" for a in agree.values())]
-            for b in doc["benchmarks"]]  # fmt: skip
+    rows = [
+        [
+            b,
+            *(
+                f"{a['per_benchmark'][b]['sglang']:.3f} / {a['per_benchmark'][b]['engine']:.3f} "
+                f"({a['per_benchmark'][b]['ratio']:.3f})"
+                for a in agree.values()
+            ),
+        ]
+        for b in doc["benchmarks"]
+    ]
     return md_table(["benchmark", *(f"τ {n} SGLang / engine" for n in agree)], rows)
 
 
@@ -264,14 +318,22 @@ def bench_table(doc: dict) -> str:
     parts = [head, _method_rows(doc)]
     if doc.get("by_concurrency"):
         parts.append(_concurrency_rows(doc))
-    timed = [(c, n, r) for c, rows in (doc.get("by_concurrency") or {}).items() for n, r in rows.items()
-             if "gpu_round_ms" in r]  # fmt: skip
+    timed = [
+        (c, n, r)
+        for c, rows in (doc.get("by_concurrency") or {}).items()
+        for n, r in rows.items()
+        if "gpu_round_ms" in r
+    ]
     if timed:
         parts.append(_timing_rows(timed))
     if doc.get("engine_agreement"):
         parts.append(_agreement_rows(doc))
     if doc.get("tau_per_benchmark_c1"):
         per = doc["tau_per_benchmark_c1"]
-        parts.append(md_table(["benchmark", *(f"τ {n}" for n in per)],
-                              [[b, *(f"{per[n][b]:.3f}" for n in per)] for b in doc["benchmarks"]]))  # fmt: skip
+        parts.append(
+            md_table(
+                ["benchmark", *(f"τ {n}" for n in per)],
+                [[b, *(f"{per[n][b]:.3f}" for n in per)] for b in doc["benchmarks"]],
+            )
+        )
     return "\n\n".join(parts) + "\n"

@@ -70,7 +70,9 @@ class DrafterRegistry:
         chosen = cur.drafter is not None and cur.draft_block < cur.drafter.config.block_size  # not the whole block
         block = cur.draft_block if keep is not None and chosen and cur.draft_block <= B else None
         tree = cur.tree if keep is not None and cur.tree is not None and cur.tree.fits(drafter.config) else None
-        engine = Engine(tgt, drafter, keep, block, cur.spec_max_batch, tree, goodput=cur.policy is not None)
+        engine = Engine(
+            tgt, drafter, keep, block, cur.spec_max_batch, tree, cur.policy is not None, cur.suffix, cur.corpus
+        )
         return engine, None if drafter is None else (name or drafter_label(path))
 
     def _swap_route(self, route: str, path: str, name: str | None, remove: bool) -> dict:
@@ -99,5 +101,10 @@ class DrafterRegistry:
         """GET /v1/dspine/drafter: the default drafter, the routes, the latest swaps."""
         with self.lock:
             routes = {k: r.info() for k, r in sorted(self.routes.items())}
-            return {"drafter": self.name, "path": self.path, "method": self.engine.method,
-                    "routes": routes, "swaps": self.swaps[-20:]}  # fmt: skip
+            return {
+                "drafter": self.name,
+                "path": self.path,
+                "method": self.engine.method,
+                "routes": routes,
+                "swaps": self.swaps[-20:],
+            }

@@ -70,8 +70,11 @@ class DSpineLogger(CustomLogger):
 
     @classmethod
     def from_env(cls) -> DSpineLogger:
-        return cls(os.environ["DSPINE_PROXY_DB"], int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0),
-                   routes=json.loads(os.environ.get("DSPINE_PROXY_ROUTES") or "{}"))  # fmt: skip
+        return cls(
+            os.environ["DSPINE_PROXY_DB"],
+            int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0),
+            routes=json.loads(os.environ.get("DSPINE_PROXY_ROUTES") or "{}"),
+        )
 
     async def async_pre_call_hook(self, user_api_key_dict, cache, data: dict, call_type):
         """Pass the workload on to the backend (LiteLLM keeps request metadata to itself), so the server's own
@@ -116,8 +119,9 @@ class DSpineLogger(CustomLogger):
         except (httpx.HTTPError, ValueError):
             return None
 
-    async def async_post_call_failure_hook(self, request_data, original_exception, user_api_key_dict,
-                                           traceback_str=None):  # fmt: skip
+    async def async_post_call_failure_hook(
+        self, request_data, original_exception, user_api_key_dict, traceback_str=None
+    ):
         """A backend that cannot be reached answers 503 (LiteLLM says 500), naming the model."""
         if _unreachable(original_exception):
             from fastapi import HTTPException
@@ -165,11 +169,18 @@ class DSpineLogger(CustomLogger):
         if rec.prompt_token_ids:
             choice = (getattr(response_obj, "choices", None) or [None])[0]
             calls = getattr(getattr(choice, "message", None), "tool_calls", None) or []
-            trace = {"episode_id": user_md.get("episode_id"), "task_id": user_md.get("task_id"),
-                     "messages": kwargs.get("messages") or [], "tools": opt.get("tools") or [],
-                     "tool_calls": [c.model_dump() if hasattr(c, "model_dump") else c for c in calls],
-                     "sampling": {k: opt.get(k) for k in ("temperature", "top_p", "max_tokens", "reasoning_effort")
-                                  if opt.get(k) is not None}}  # fmt: skip
+            trace = {
+                "episode_id": user_md.get("episode_id"),
+                "task_id": user_md.get("task_id"),
+                "messages": kwargs.get("messages") or [],
+                "tools": opt.get("tools") or [],
+                "tool_calls": [c.model_dump() if hasattr(c, "model_dump") else c for c in calls],
+                "sampling": {
+                    k: opt.get(k)
+                    for k in ("temperature", "top_p", "max_tokens", "reasoning_effort")
+                    if opt.get(k) is not None
+                },
+            }
         fresh = await asyncio.to_thread(self.store.append, rec, trace)
         if not fresh:
             return

@@ -46,8 +46,11 @@ def thinking_mode(model_type: str) -> dict:
     if model_type.startswith("qwen3"):
         return {"mode": "enable_thinking", "detail": "none: enable_thinking=False; any other level: True"}
     budget = ", ".join(f"{k} {v}" for k, v in REASONING_BUDGET.items())
-    return {"mode": "system_note", "detail": "the target has no thinking mode: low..xhigh add a system note asking "
-            f"for step-by-step reasoning within a token budget ({budget}); none adds nothing"}  # fmt: skip
+    return {
+        "mode": "system_note",
+        "detail": "the target has no thinking mode: low..xhigh add a system note asking "
+        f"for step-by-step reasoning within a token budget ({budget}); none adds nothing",
+    }
 
 
 def apply_reasoning_effort(model_type: str, messages: list[dict], effort: str) -> tuple[list[dict], dict]:
@@ -85,8 +88,14 @@ class Parsed:
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
 
@@ -132,8 +141,12 @@ class OpenAIShaping:
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is not None and max_tokens > room:  # refused, as OpenAI does, rather than clamped
             key = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-            raise BadRequest(f"'{key}' is {max_tokens}, but the prompt's {len(ids)} tokens leave room for at most "
-                             f"{room} in the context window", param=key, code="context_length_exceeded")  # fmt: skip
+            raise BadRequest(
+                f"'{key}' is {max_tokens}, but the prompt's {len(ids)} tokens leave room for at most "
+                f"{room} in the context window",
+                param=key,
+                code="context_length_exceeded",
+            )
         max_tokens = max_tokens or min(256, room)
         stop = ([req.stop] if req.stop else []) if isinstance(req.stop, str) else list(req.stop or [])
         params = SamplingParams(
@@ -218,14 +231,23 @@ class OpenAIShaping:
                 choices.append(ChatChoice(index=i, message=message, finish_reason=finish, **extra))
             else:
                 choices.append(TextChoice(index=i, text=res.text, finish_reason=res.finish_reason, **extra))
-        return Completion(id=rec.request_id, object="chat.completion" if chat else "text_completion",
-                          created=int(rec.ts), model=rec.model, choices=choices, usage=usage(rec),
-                          **self.extras(req, rec)).dump()  # fmt: skip
+        return Completion(
+            id=rec.request_id,
+            object="chat.completion" if chat else "text_completion",
+            created=int(rec.ts),
+            model=rec.model,
+            choices=choices,
+            usage=usage(rec),
+            **self.extras(req, rec),
+        ).dump()
 
 
 def usage(rec: RequestRecord) -> Usage:
-    return Usage(prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
-                 total_tokens=rec.prompt_tokens + rec.completion_tokens)  # fmt: skip
+    return Usage(
+        prompt_tokens=rec.prompt_tokens,
+        completion_tokens=rec.completion_tokens,
+        total_tokens=rec.prompt_tokens + rec.completion_tokens,
+    )
 
 
 class Stream:
@@ -241,8 +263,15 @@ class Stream:
         self.sent = ""
         self.created = int(time.time())
 
-    def chunk(self, delta: dict | None = None, text: str | None = None, finish=None, usage=None, extra=None,
-              ids: dict | None = None) -> str:  # fmt: skip
+    def chunk(
+        self,
+        delta: dict | None = None,
+        text: str | None = None,
+        finish=None,
+        usage=None,
+        extra=None,
+        ids: dict | None = None,
+    ) -> str:
         i = self.index
         if self.chat:
             choice = DeltaChoice(index=i, delta=Delta(**(delta or {})), finish_reason=finish, **(ids or {}))
@@ -250,8 +279,15 @@ class Stream:
             choice = TextChoice(index=i, text=text or "", finish_reason=finish, **(ids or {}))
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         done = {"usage": usage} if usage is not None else {}
-        doc = Completion(id=self.req.id, object=obj, created=self.created, model=self.service.cfg.model_name,
-                         choices=[choice], **done, **(extra or {}))  # fmt: skip
+        doc = Completion(
+            id=self.req.id,
+            object=obj,
+            created=self.created,
+            model=self.service.cfg.model_name,
+            choices=[choice],
+            **done,
+            **(extra or {}),
+        )
         return "data: " + json.dumps(doc.dump()) + "\n\n"
 
     def content(self, text: str) -> str:

@@ -302,14 +302,26 @@ def read_json(raw: bytes, content_type: str = "application/json") -> Any:
     return body
 
 
-ERROR_TYPES = {401: "auth_error", 404: "not_found_error", 405: "method_not_allowed", 413: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
+ERROR_TYPES = {
+    401: "auth_error",
+    404: "not_found_error",
+    405: "method_not_allowed",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     """A refusal in OpenAI's error shape (the server's and the proxy's)."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code}}  # fmt: skip
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 def parse_request(body: Any, chat: bool, refuse_unsupported: bool = True) -> ChatRequest | CompletionRequest:
@@ -319,8 +331,9 @@ def parse_request(body: Any, chat: bool, refuse_unsupported: bool = True) -> Cha
         raise RequestInvalid("the request body must be a JSON object", None)
     for name, off in UNSUPPORTED.items() if refuse_unsupported else ():
         if body.get(name) is not None and not off(body[name]):
-            raise RequestInvalid(f"'{name}' is not supported by this server yet (got {body[name]!r}); leave it out",
-                                 name)  # fmt: skip
+            raise RequestInvalid(
+                f"'{name}' is not supported by this server yet (got {body[name]!r}); leave it out", name
+            )
     try:
         return (ChatRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as e:

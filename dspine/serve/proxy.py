@@ -189,8 +189,14 @@ def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None) -> subproces
     ]
     if sys.platform.startswith("linux"):
         cmd = [sys.executable, "-c", _WITH_PARENT, str(os.getpid()), *cmd]
-    proc = subprocess.Popen(cmd, env=env, cwd=cfg.workdir, stdout=log or subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cfg.workdir,
+        stdout=log or subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     wait_http(f"http://{cfg.host}:{cfg.port}/health/liveliness", proc, 180)
     return proc
 

@@ -36,16 +36,16 @@ class Batcher:
         self.thread = threading.Thread(target=self._loop, daemon=True, name="dspine-batcher")
         self.thread.start()
 
-    def submit(self, rows: list[tuple], route: Route | None = None) -> list:
+    def submit(self, rows: list[tuple], route: Route | None = None, workload: str = "default") -> list:
         """rows: [(prompt ids, SamplingParams, on_token)], decoded by `route`'s engine (None: the default engine
         when their batch starts); blocks until all are decoded -> [GenerationResult] (raises what decoding
-        raised)."""
+        raised). `workload`: whose part of a suffix corpus drafts for them."""
         for ids, _, _ in rows:
             (route.engine if route else self.engine).prompt_ids(ids)  # a bad prompt fails alone, before it joins
         futs = []
         for ids, params, on_token in rows:
             futs.append(Future())
-            self.jobs.put((ids, params, on_token or (lambda tok: True), futs[-1], route))
+            self.jobs.put((ids, params, on_token or (lambda tok: True), futs[-1], route, workload))
         return [f.result() for f in futs]
 
     def use(self, engine: Engine, label: str | None) -> None:
@@ -85,7 +85,14 @@ class Batcher:
         route = group[0][4]
         engine, label = (route.engine, route.label) if route is not None else (self.engine, self.label)
         try:
-            run = BatchDecode(engine, [j[0] for j in group], [j[1] for j in group], [j[2] for j in group], group)
+            run = BatchDecode(
+                engine,
+                [j[0] for j in group],
+                [j[1] for j in group],
+                [j[2] for j in group],
+                group,
+                workloads=[j[5] for j in group],
+            )
             run.label = label
             return run
         except Exception as e:

@@ -18,7 +18,6 @@ takes the most specific route that matches it ("tool/high", then "tool"), else t
 names the drafter that decoded it.
 """
 
-
 import asyncio
 import json
 import sys
@@ -41,8 +40,20 @@ from dspine.serve.protocol import ROUTE, ROUTE_FORM
 from dspine.serve.records import RequestRecord
 from dspine.serve.service import Service
 
-__all__ = ["BadRequest", "Parsed", "Route", "ServeConfig", "Service", "Stream", "apply_reasoning_effort",
-           "create_app", "drafter_label", "serve", "start_server_process", "thinking_mode"]  # fmt: skip
+__all__ = [
+    "BadRequest",
+    "Parsed",
+    "Route",
+    "ServeConfig",
+    "Service",
+    "Stream",
+    "apply_reasoning_effort",
+    "create_app",
+    "drafter_label",
+    "serve",
+    "start_server_process",
+    "thinking_mode",
+]
 
 
 async def sse(request, service: Service, streams: list[Stream]):
@@ -148,8 +159,9 @@ async def complete(request, service: Service, chat: bool):
         return error_response(service, e)
     if req.stream:  # the stream releases its place when it ends
         streams = [Stream(service, req, chat, i) for i in range(req.n)]
-        return StreamingResponse(sse(request, service, streams), media_type="text/event-stream",
-                                 headers={"x-dspine-request-id": req.id})  # fmt: skip
+        return StreamingResponse(
+            sse(request, service, streams), media_type="text/event-stream", headers={"x-dspine-request-id": req.id}
+        )
     try:
         rec, results = await run_watched(request, service, req)
     except BadRequest as e:
@@ -220,8 +232,9 @@ def create_app(service: Service):
         from starlette.concurrency import run_in_threadpool
 
         try:
-            return await run_in_threadpool(swap_request, service, request.headers.get("authorization"),
-                                           await request.body())  # fmt: skip
+            return await run_in_threadpool(
+                swap_request, service, request.headers.get("authorization"), await request.body()
+            )
         except BadRequest as e:
             return error(e)
 
@@ -278,8 +291,9 @@ def serve(
             service.begin_shutdown(grace)
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=int(grace) + 5)  # fmt: skip
+    config = uvicorn.Config(
+        create_app(service), host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(grace) + 5
+    )
     Server(config).run()
 
 

@@ -85,9 +85,13 @@ class Service(OpenAIShaping):
             if self.stopping:
                 raise BadRequest("the server is shutting down", status=503, code="shutting_down", retry_after=5)
             if self.admitted >= self.cfg.max_queue:
-                raise BadRequest(f"the server is busy ({self.admitted} requests admitted, at most "
-                                 f"{self.cfg.max_queue}); retry later", status=429, code="queue_full",
-                                 retry_after=1)  # fmt: skip
+                raise BadRequest(
+                    f"the server is busy ({self.admitted} requests admitted, at most "
+                    f"{self.cfg.max_queue}); retry later",
+                    status=429,
+                    code="queue_full",
+                    retry_after=1,
+                )
             self.admitted += 1
 
     def release(self) -> None:
@@ -101,9 +105,15 @@ class Service(OpenAIShaping):
         age = time.monotonic() - b.last_progress
         live = b.thread.is_alive() and not (b.decoding and age > self.cfg.stall_s)
         ready = live and not self.stopping and self.admitted < self.cfg.max_queue
-        return {"status": "stopping" if self.stopping else ("ok" if live else "stalled"), "live": live,
-                "ready": ready, "admitted": self.admitted, "max_queue": self.cfg.max_queue,
-                "decoding": b.decoding, "last_progress_age_s": round(age, 3)}  # fmt: skip
+        return {
+            "status": "stopping" if self.stopping else ("ok" if live else "stalled"),
+            "live": live,
+            "ready": ready,
+            "admitted": self.admitted,
+            "max_queue": self.cfg.max_queue,
+            "decoding": b.decoding,
+            "last_progress_age_s": round(age, 3),
+        }
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop admitting; in-flight requests may finish for grace_s, then every row aborts at its next token."""
@@ -135,12 +145,18 @@ class Service(OpenAIShaping):
         seeds = [req.params.seed + i if req.params.seed is not None else None for i in range(req.n)]
         rows = [(req.ids, replace(req.params, seed=seeds[i]), cb(i)) for i in range(req.n)]
         self.metrics.inflight.inc()
+        route = self.route_for(req)
         try:
-            results = self.batcher.submit(rows, self.route_for(req))
+            results = self.batcher.submit(rows, route, req.workload)
         except RequestError as e:
             raise BadRequest(str(e)) from None
         finally:
             self.metrics.inflight.dec()
+        corpus = (route.engine if route is not None else self.engine).corpus
+        if corpus is not None:  # suffix drafting: the served traffic, per workload, drafts for what follows
+            for r in results:
+                if r.finish_reason != "abort":
+                    corpus.add(r.token_ids, req.workload)
         res = results[0]
         stats = [r.stats for r in results if r.stats is not None]
         hist = [sum(col) for col in zip(*(s.accept_hist for s in stats))] if stats else None

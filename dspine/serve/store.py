@@ -75,8 +75,19 @@ CREATE TABLE IF NOT EXISTS traces (
 """
 # the token-level fields of a request that asked for them (metadata.workload through the proxy): one row of
 # `traces` beside its `requests` row, what `dspine traces export` turns into training rows
-TRACE_COLUMNS = ("request_id", "episode_id", "task_id", "messages", "tools", "prompt_token_ids",
-                 "completion_token_ids", "completion_text", "tool_calls", "finish_reason", "sampling")  # fmt: skip
+TRACE_COLUMNS = (
+    "request_id",
+    "episode_id",
+    "task_id",
+    "messages",
+    "tools",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "completion_text",
+    "tool_calls",
+    "finish_reason",
+    "sampling",
+)
 
 
 class AcceptanceStore:
@@ -106,9 +117,14 @@ class AcceptanceStore:
                 [row[c] for c in COLUMNS],
             )
             if cur.rowcount == 1 and trace is not None and rec.prompt_token_ids and rec.completion_token_ids:
-                t = {**trace, "request_id": rec.request_id, "completion_text": rec.text,
-                     "finish_reason": rec.finish_reason, "prompt_token_ids": rec.prompt_token_ids,
-                     "completion_token_ids": rec.completion_token_ids}  # fmt: skip
+                t = {
+                    **trace,
+                    "request_id": rec.request_id,
+                    "completion_text": rec.text,
+                    "finish_reason": rec.finish_reason,
+                    "prompt_token_ids": rec.prompt_token_ids,
+                    "completion_token_ids": rec.completion_token_ids,
+                }
                 t = {
                     c: t.get(c) if isinstance(t.get(c), (str, type(None))) else json.dumps(t.get(c))
                     for c in TRACE_COLUMNS
@@ -191,8 +207,14 @@ class AcceptanceStore:
                         "tau_mean": _measured(g, "tau_mean") if g else None,
                     }
                 )
-        return {"requests": len(rows), "cells": cells, "series": series, "bucket_s": bucket_s, "levels": list(LEVELS),
-                "generated": time.time()}  # fmt: skip
+        return {
+            "requests": len(rows),
+            "cells": cells,
+            "series": series,
+            "bucket_s": bucket_s,
+            "levels": list(LEVELS),
+            "generated": time.time(),
+        }
 
 
 LEVELS = ("none", "low", "medium", "high", "xhigh")  # thinking levels, in order

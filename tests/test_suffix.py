@@ -1,0 +1,245 @@
+"""Suffix drafting (dspine/suffix.py) and the hybrid round: the structures (match, scoring, adaptive depth,
+eviction within a budget), the merge into a drafter's tree, greedy output equal to AR's for suffix alone and for
+the hybrid (tiny Llama/Qwen3 and SmolLM2; single and batched; chains and trees), χ² against the exact AR marginals
+at T > 0 for suffix-only and hybrid proposals, and bad corpus files refused with one clear error."""
+
+import json
+
+import pytest
+import torch
+from conftest import CHAT_PROMPTS, brief_train, perturb_writes, tiny_target
+from test_distribution import PROMPT, SAMPLES, V, chi2_pvalues, exact_ar_marginals
+
+from dspine.decoding import DraftTree, merge_drafts, tree_depths
+from dspine.drafter import DSpineDraftModel
+from dspine.engine import Engine, generate_batch
+from dspine.reference import speculative_tree_step
+from dspine.sampling import SamplingParams, sample, warp_probs
+from dspine.suffix import RequestSuffix, SuffixConfig, SuffixCorpus, SuffixDraft, SuffixIndex, draft_from
+
+CFG = SuffixConfig(min_match=1, max_depth=8, max_nodes=12, min_score=0.05)
+
+
+def test_index_finds_the_longest_match_and_its_recent_continuations():
+    idx = SuffixIndex(max_match=4)
+    s = idx.add([1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 5, 2, 3, 8])
+    n, conts = idx.continuations([4, 1, 2, 3], SuffixConfig(min_match=1, max_depth=3))
+    assert n == 3 and conts == [[7, 7, 5], [9, 9, 1]]  # "1 2 3" twice, most recent first; "2 3" alone is shorter
+    assert idx.continuations([6, 6], SuffixConfig(min_match=1)) == (0, [])
+    idx.extend(s, [1, 2, 3])
+    assert idx.continuations([1, 2, 3], SuffixConfig(min_match=1, max_depth=2))[1][0] == [7, 7]  # the end: nothing
+
+
+def test_draft_scores_by_frequency_and_sizes_by_match_length():
+    # 3 of 4 occurrences continue with 5, 6; one with 9
+    d = draft_from([(2, [[5, 6, 1], [5, 6, 2], [5, 6, 3], [9]], 1.0)], SuffixConfig(min_score=0.2, depth_per_match=1))
+    assert d.tokens[:2] == [5, 9] and d.scores[0] == pytest.approx(0.75) and d.scores[1] == pytest.approx(0.25)
+    assert max(tree_depths(d.parents)) == 2  # depth at most 1 × the match length
+    assert [d.tokens[i] for i in d.best_path()] == [5, 6] and d.expected_tokens() == pytest.approx(1.5)
+    deep = draft_from([(4, [[5, 6, 1, 2, 3, 4, 5, 6, 7]], 1.0)], SuffixConfig(max_depth=6))
+    assert len(deep.best_path()) == 6  # capped by max_depth
+    assert not draft_from([(2, [[5], [6], [7], [8], [9]], 1.0)], SuffixConfig(min_score=0.3))  # nothing certain enough
+
+
+def test_corpus_evicts_oldest_within_its_budget_and_bounds_the_index():
+    cfg = SuffixConfig(corpus_tokens=100, max_match=3)
+    corpus = SuffixCorpus(cfg, vocab_size=50)
+    for k in range(40):
+        corpus.add([k % 50] * 10 + list(range(10)), workload="tool")
+    idx = corpus.indexes["tool"]
+    assert corpus.tokens("tool") <= 100 and len(idx.seqs) == 5
+    assert idx.entries() <= 2 * (idx.tokens * cfg.max_match) + 20 * cfg.max_match  # dead entries dropped
+    assert corpus.continuations([1, 2, 3], "tool")[1][0][:3] == [4, 5, 6]
+    assert corpus.continuations([1, 2, 3], "swe") == corpus.continuations([1, 2, 3], "default")  # no index: nothing
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        corpus.add([1, 99])
+
+
+def test_corpus_files_are_checked_before_anything_is_indexed(tmp_path):
+    good = tmp_path / "c.jsonl"
+    good.write_text(json.dumps({"token_ids": [1, 2, 3, 4], "workload": "tool"}) + "\n" + json.dumps({"token_ids": [5]}))
+    c = SuffixCorpus.load(good, SuffixConfig(min_match=1), vocab_size=10)
+    assert c.tokens("tool") == 4 and c.tokens("default") == 1
+    cases = {
+        "not JSON": "{nope",
+        "needs 'token_ids'": json.dumps({"text": "hello"}),
+        "integer token ids": json.dumps({"token_ids": ["a"]}),
+        "outside the target's vocabulary": json.dumps({"token_ids": [3, 10]}),
+    }
+    for msg, line in cases.items():
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"token_ids": [1]}) + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=msg):
+            SuffixCorpus.load(bad, vocab_size=10)
+    with pytest.raises(ValueError, match="exceed the budget"):
+        SuffixCorpus.load(good, SuffixConfig(corpus_tokens=3), vocab_size=10)
+    with pytest.raises(ValueError, match="no such file"):
+        SuffixCorpus.load(tmp_path / "missing.jsonl")
+
+
+def test_merge_shares_prefixes_keeps_sampled_children_first_and_respects_budget():
+    tokens, q, parents = [4, 7, 5], [torch.ones(3), None, None], [-1, -1, 0]  # 4 (sampled) -> 5; 7 ranked
+    sd = SuffixDraft(tokens=[4, 9, 5, 6, 2], parents=[-1, -1, 0, 2, 3], scores=[0.9, 0.1, 0.9, 0.8, 0.7], match=3)
+    t, qq, p = merge_drafts(tokens, q, parents, sd, max_nodes=6, max_depth=4)
+    assert t == [4, 7, 5, 9, 6, 2] and p == [-1, -1, 0, -1, 2, 4] and qq[3:] == [None, None, None]
+    t2, _, p2 = merge_drafts(tokens, q, parents, sd, max_nodes=4, max_depth=2)  # 4 nodes; depth 3 cut
+    assert t2 == [4, 7, 5, 9] and max(tree_depths(p2)) == 2
+    for par in set(p):  # siblings keep distinct tokens
+        kids = [t[i] for i in range(len(t)) if p[i] == par]
+        assert len(kids) == len(set(kids))
+
+
+def _looping_prompts(target, n=4):
+    """Prompts whose AR continuation repeats what they hold (a tiny random target settles into loops)."""
+    eng = Engine(target)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        p = torch.randint(0, target.info.vocab_size, (6,), generator=g).tolist()
+        cont = eng.generate(p, SamplingParams(max_tokens=30, ignore_eos=True)).token_ids
+        out.append(p + cont)  # the prompt holds the loop the target is in
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_suffix_and_hybrid_rounds_equal_ar_on_tiny_targets(arch):
+    target = tiny_target(arch)
+    prompts = _looping_prompts(target)
+    pairs = [(p, 6) for p in prompts]
+    drafter = brief_train(DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2), target, pairs, 20)
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = [Engine(target).generate(p, greedy).token_ids for p in prompts]
+    corpus = SuffixCorpus(CFG)
+    corpus.add(want[0])  # another request's output, as served traffic would leave it
+    engines = {
+        "suffix": Engine(target, None, suffix=CFG),
+        "suffix+corpus": Engine(target, None, suffix=CFG, corpus=corpus),
+        "hybrid-tree": Engine(target, drafter, tree="000.1", suffix=CFG),
+        "hybrid-chain": Engine(target, drafter, draft_len=3, suffix=CFG),
+        "hybrid-skip": Engine(target, drafter, tree="00", suffix=SuffixConfig(min_match=1, skip_drafter_tokens=0.5)),
+    }
+    for name, eng in engines.items():
+        got = [eng.generate(p, greedy) for p in prompts]
+        assert [g.token_ids for g in got] == want, name
+        assert sum(g.stats.accepted for g in got) > 0, name  # drafts were accepted
+        batched = generate_batch(eng, prompts, greedy)  # chains per row: the suffix's or the drafter's
+        assert [g.token_ids for g in batched] == want, name
+    assert engines["suffix"].method == "suffix" and engines["hybrid-tree"].method == "dspine+suffix"
+    deep = engines["suffix"].generate(prompts[1], greedy).stats
+    assert max(i for i, c in enumerate(deep.accept_hist) if c) > 3  # a loop copied several tokens a round
+
+
+def test_hybrid_equals_ar_on_the_real_target_and_copies_what_the_prompt_holds(smollm2):
+    from dspine.checkpoint import load_drafter
+    from dspine.drafters import builtin_drafter
+
+    text = "Order ORD-88213-XK shipped to 4417 Maple Avenue, Springfield, tracking 1Z999AA10123456784."
+    msgs = [{"role": "user", "content": f"Repeat exactly, then stop:\n{text}"}]
+    drafter = load_drafter(builtin_drafter("smollm2-135m-instruct"), smollm2, dtype=torch.float32)
+    p = SamplingParams(max_tokens=48)
+    want = Engine(smollm2).generate(msgs, p).token_ids
+    plain = Engine(smollm2, drafter, tree="0000.1").generate(msgs, p)
+    hybrid = Engine(smollm2, drafter, tree="0000.1", suffix=SuffixConfig()).generate(msgs, p)
+    assert hybrid.token_ids == plain.token_ids == want
+    assert hybrid.stats.tau > plain.stats.tau  # the copied span comes from the prompt
+    (batched,) = generate_batch(Engine(smollm2, drafter, draft_len=3, suffix=SuffixConfig()), [msgs], p)
+    assert batched.token_ids == want
+    others = generate_batch(Engine(smollm2, drafter, draft_len=3, suffix=SuffixConfig()), [msgs, CHAT_PROMPTS[0]], p)
+    assert others[0].token_ids == want
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    return tiny_target("llama", vocab=V, hidden=32, layers=4, head_scale=25.0, seed=5)
+
+
+def _corpus_of_samples(target, n=40) -> SuffixCorpus:
+    """Continuations the target itself samples after the prompt (plausible drafts) and random ones (not)."""
+    g = torch.Generator().manual_seed(7)
+    seqs = torch.tensor([PROMPT]).repeat(n, 1)
+    for _ in range(8):
+        logits, _ = target.forward(seqs, None)
+        seqs = torch.cat([seqs, sample(warp_probs(logits[:, -1], SamplingParams(temperature=1.0)), g)[:, None]], 1)
+    corpus = SuffixCorpus(SuffixConfig(min_match=1, max_depth=4, max_nodes=8, min_score=0.05))
+    for row in seqs.tolist():
+        corpus.add(row)
+    for _ in range(10):
+        corpus.add(torch.randint(0, V, (12,), generator=g).tolist())
+    return corpus
+
+
+def _suffix_samples(target, drafter, tree, corpus, params, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    got = [[] for _ in range(SAMPLES)]
+    while todo := [i for i, g in enumerate(got) if len(g) < 4]:
+        for n in sorted({len(got[i]) for i in todo}):
+            rows = [i for i in todo if len(got[i]) == n]
+            seqs = torch.tensor([PROMPT + got[i] for i in rows])
+            drafts = [RequestSuffix(PROMPT, corpus.cfg, corpus, "default") for _ in rows]
+            for d, i in zip(drafts, rows):
+                d.push(got[i])
+            sd = [d.draft() for d in drafts]
+            for i, toks in zip(rows, speculative_tree_step(target, drafter, seqs, tree, params, gen, suffix=sd)):
+                got[i] += toks
+    return torch.tensor([g[:4] for g in got])
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["suffix", "hybrid"])
+def test_suffix_and_hybrid_sampling_match_ar(peaked, with_drafter):
+    """T = 1: deterministic suffix nodes (alone, or merged below and beside the drafter's sampled chain and ranked
+    siblings) verified by recursive rejection give AR's marginals; the drafts were accepted often."""
+    params = SamplingParams(temperature=1.0)
+    drafter = tree = None
+    if with_drafter:
+        drafter = DSpineDraftModel.for_target(peaked, method="dspine", num_hidden_layers=2, block_size=6, top_k=4)
+        drafter, tree = perturb_writes(drafter, std=0.5, seed=3), DraftTree.parse("00.1")
+    corpus = _corpus_of_samples(peaked)
+    tokens = _suffix_samples(peaked, drafter, tree, corpus, params)
+    assert min(chi2_pvalues(tokens, exact_ar_marginals(peaked, params))) > 0.01
+    sd = RequestSuffix(PROMPT, corpus.cfg, corpus, "default").draft()
+    assert len(sd) >= 3 and sd.expected_tokens() > 0.5  # the corpus proposes, and plausibly
+
+
+def test_serving_feeds_the_corpus_and_the_next_request_drafts_from_it(smollm2):
+    """A served request's output joins its workload's corpus when it finishes: the same request again is drafted
+    from it (τ up, tokens unchanged); another workload's requests do not see it."""
+    from dspine.serve.config import ServeConfig
+    from dspine.serve.service import Service
+
+    cfg = SuffixConfig()
+    eng = Engine(smollm2, None, suffix=cfg, corpus=SuffixCorpus(cfg, smollm2.info.vocab_size))
+    svc = Service(eng, ServeConfig(model_name="m"))
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": CHAT_PROMPTS[3]}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "metadata": {"workload": "tool"},
+    }
+    _, first = svc.run(svc.parse(body, True))
+    assert eng.corpus.tokens("tool") == len(first[0].token_ids) > 0 and eng.corpus.tokens("swe") == 0
+    _, again = svc.run(svc.parse(body, True))
+    _, other = svc.run(svc.parse({**body, "metadata": {"workload": "swe"}}, True))
+    assert again[0].token_ids == first[0].token_ids == other[0].token_ids
+    assert again[0].stats.tau > 2 * max(first[0].stats.tau, 1.0) and other[0].stats.tau < again[0].stats.tau
+    assert eng.method == "suffix"
+
+
+def test_bad_drafter_specs_and_corpora_are_one_clear_error(tmp_path, capsys):
+    from dspine.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"token_ids": [1, 2, 99999999]}\n')
+    cases = [
+        (["--drafter", "builtin+lookup"], "CHECKPOINT+suffix"),
+        (["--drafter", "suffix+suffix"], "CHECKPOINT+suffix"),
+        (["--drafter", "builtin", "--suffix-corpus", str(bad)], "--suffix-corpus needs suffix drafting"),
+        (["--drafter", "builtin+suffix", "--suffix-corpus", str(bad)], "outside the target's vocabulary"),
+        (["--drafter", "suffix", "--suffix-corpus", str(tmp_path / "none.jsonl")], "no such file"),
+    ]
+    for args, msg in cases:
+        assert main(["generate", "--prompt", "hi", "--max-tokens", "2", *args]) == 2, args
+        assert msg in capsys.readouterr().err, args
+    assert main(["generate", "--prompt", "Say hi.", "--max-tokens", "8", "--drafter", "suffix", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "suffix" and out["completion_tokens"] > 0
