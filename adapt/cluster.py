@@ -1,6 +1,6 @@
 """A Ray head of our own on 127.0.0.1, for the demo and the tests: started in its own session with its own temp
-dir (under /tmp, removed on stop) and ports, and stopped by the ids of the processes it started — never `ray stop`,
-which ends every Ray process on the machine, other users' clusters included.
+dir (under /tmp, removed on stop) and ports, and stopped by the ids of the processes it started — never by Ray's
+own stop command, which ends every Ray process on the machine, other users' clusters included.
 
 `ray start --head --block` stays in the foreground as the parent of the head's processes (GCS, raylet, dashboard,
 workers); `stop()` signals that process tree, found through /proc, and nothing else. The `ray` command line is run

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
 
                 if ray.is_initialized():  # this process joined the head for Ray Train: leave before it stops
                     ray.shutdown()
-                head.stop()  # its own processes only (never `ray stop`)
+                head.stop()  # its own processes only, by their ids
         print(f"total {time.time() - stage.t0:.0f} s", flush=True)
 
 

@@ -1,12 +1,14 @@
 """The decode loop: every request, alone or batched, decodes through `BatchDecode.step`, one round function.
 
 Per row the state is: committed tokens; the target's KV cache holding every committed position but the last (the
-anchor, fed with the next block); the drafter's context K/V for the same positions. A round drafts from [anchor,
-mask...] — a chain of k drafts, a draft tree (a single open request, decoding.DraftTree) or nothing (an AR round) —,
-verifies [anchor, drafts] in one target forward (a tree under its tree mask), commits the accepted drafts plus the
-target's own next token, keeps the committed positions' cache entries and appends their target features to the
-drafter's context. Every committed token passes through one stop checker (EOS, max tokens, stop strings), so
-speculative and AR outputs end exactly alike.
+anchor, fed with the next block); the drafter's context K/V for the same positions; with suffix drafting, an index
+over the row's prompt and output (suffix.RequestSuffix). A round drafts — a chain of k drafts per row (the drafter's,
+or a row's suffix chain in its place), a tree for a single open request (the drafter's static tree with the suffix
+draft merged in, decoding.merge_drafts; the suffix draft alone when it is confident enough to skip the drafter), or
+nothing (an AR round) —, verifies [anchor, drafts] in one target forward (a tree under its tree mask), commits the
+accepted drafts plus the target's own next token, keeps the committed positions' cache entries and appends their
+target features to the drafter's context (lazily when the drafter did not run). Every committed token passes
+through one stop checker (EOS, max tokens, stop strings), so speculative and AR outputs end exactly alike.
 
 The context window is decided once: a row whose next token would sit past the target's window ends with
 "length"; a round whose drafter slots would reach past it for any open row is an AR round — every request runs
@@ -95,7 +97,8 @@ class BatchDecode:
     output stands in for the target's choices — drafts are accepted while they match it and its next token is
     committed — so a drafter's τ is measured on exactly that text (greedy only; ends where the text ends).
     `profile`: each result's `timings` holds the batch's seconds per phase (PhaseClock), the device synchronised
-    at each boundary — slower, for benchmarks only."""
+    at each boundary — slower, for benchmarks only. `workloads[i]`: whose part of the engine's suffix corpus drafts
+    for row i (default "default")."""
 
     _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished", "forced", "accept", "suffix")
 
