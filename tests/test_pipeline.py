@@ -212,6 +212,7 @@ def test_eval_refuses_checkpoint_for_another_target(tmp_path, capsys):
     assert not (tmp_path / "e.json").exists()
 
 
+@pytest.mark.slow  # ~5 min on two cores: the GPU recipe's stages at CPU size (`make test-all`)
 def test_tiny_recipe_end_to_end(tmp_path):
     """The GPU recipe at CPU size: every trained drafter beats its untrained self and stays lossless."""
     from dspine.io import update_summary
