@@ -31,9 +31,8 @@ from dspine.checkpoint import load_drafter
 from dspine.drafters import builtin_drafter
 from dspine.engine import Engine
 from dspine.io import atomic_write_text, json_text, md_table, provenance, update_summary
-from dspine.options import CPU_DRAFT_LEN, CPU_DRAFT_TREE
+from dspine.options import EngineOptions
 from dspine.sampling import SamplingParams
-from dspine.serve.protocol import parse_request, template_has_tools, template_messages
 from dspine.suffix import SuffixConfig, SuffixCorpus
 from dspine.target import load_target
 
@@ -74,6 +73,8 @@ def clean(m: dict) -> dict:
 def render(target, messages: list[dict], tools, max_context: int) -> tuple[list[int], int]:
     """The prefix's token ids as `dspine serve` renders it, cut from the left at message boundaries (the system
     message kept) to at most max_context tokens -> (ids, messages cut)."""
+    from dspine.serve.protocol import parse_request, template_has_tools, template_messages
+
     native = template_has_tools(getattr(target.tokenizer, "chat_template", None))
     system = [m for m in messages[:1] if m["role"] == "system"]
     rest = messages[len(system) :]
@@ -129,32 +130,49 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", type=int, default=8, help="measured (held-out) conversations per workload at most")
     ap.add_argument("--max-context", type=int, default=2048, help="prefix tokens at most (cut at a message boundary)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--out", required=True, help="JSON to write (a .md table beside it)")
+    ap.add_argument("--out", help="JSON to write (a .md table beside it)")
     ap.add_argument("--summary", help="summary.json whose `agent_race` section is rewritten")
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="the target (a built-in name, .gguf or folder)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: each engine takes that device's defaults")
+    ap.add_argument("--drafter", help="the DSpine checkpoint (default: the shipped one)")
+    ap.add_argument("--save-rows", help="render the turns and the corpus (token ids) into this file and stop")
+    ap.add_argument("--rows", help="measure the turns and corpus --save-rows wrote (no rendering: no pydantic needed)")
     a = ap.parse_args(argv)
-    torch.set_num_threads(2)
-    target = load_target("smollm2-135m-instruct", dtype=torch.float32)
-    drafter = load_drafter(builtin_drafter("smollm2-135m-instruct"), target, dtype=torch.qint8)
-    convs = conversations(Path(a.data))
-    held, base = [], []
-    for w in sorted({c["workload"] for c in convs}):
-        mine = [c for c in convs if c["workload"] == w]
-        held += mine[1::2][: a.tasks]  # every other task is measured, the rest feed the corpus
-        base += mine[0::2]
+    if a.device == "cpu":
+        torch.set_num_threads(2)
+    target = load_target(a.target, dtype=torch.float32, device=a.device)
+    cpu = a.device == "cpu"  # the drafter as `dspine serve` decodes it there: int8 on a CPU, else the target's fp32
+    drafter = load_drafter(
+        builtin_drafter("smollm2-135m-instruct"), target, torch.qint8 if cpu else torch.float32, a.device
+    )
+    if a.rows:
+        saved = json.loads(Path(a.rows).read_text())
+        rows, pool = saved["rows"], [tuple(x) for x in saved["corpus"]]
+    else:
+        convs = conversations(Path(a.data))
+        held, base = [], []
+        for w in sorted({c["workload"] for c in convs}):
+            mine = [c for c in convs if c["workload"] == w]
+            held += mine[1::2][: a.tasks]  # every other task is measured, the rest feed the corpus
+            base += mine[0::2]
+        rows, pool = turns(target, held, a.turns_per_task, a.max_context), corpus_rows(target, base)
+    if a.save_rows:
+        atomic_write_text(Path(a.save_rows), json.dumps({"rows": rows, "corpus": pool}))
+        return 0
+    if not a.out:
+        ap.error("--out is needed to measure")
     cfg = SuffixConfig()
     corpus = SuffixCorpus(cfg, target.info.vocab_size)
-    for w, ids in corpus_rows(target, base):
+    for w, ids in pool:
         corpus.add(ids, w)
-    rows = turns(target, held, a.turns_per_task, a.max_context)
-    engines = {
+    engines = {  # the device's defaults (EngineOptions.build: on a CPU a small tree, on a GPU the 32-node one)
         "ar": Engine(target),
         "suffix": Engine(target, None, suffix=cfg),
         "suffix+corpus": Engine(target, None, suffix=cfg, corpus=corpus),
-        "dspine": Engine(target, drafter, CPU_DRAFT_LEN, CPU_DRAFT_LEN + 1, tree=CPU_DRAFT_TREE),
-        "hybrid": Engine(
-            target, drafter, CPU_DRAFT_LEN, CPU_DRAFT_LEN + 1, tree=CPU_DRAFT_TREE, suffix=cfg, corpus=corpus
-        ),
+        "dspine": EngineOptions().build(target, drafter),
+        "hybrid": EngineOptions(suffix=True).build(target, drafter),
     }
+    engines["hybrid"].corpus = corpus  # the corpus above (EngineOptions starts an empty one)
     params = SamplingParams(max_tokens=a.max_new_tokens, temperature=0.0)
     results: dict[str, list[dict]] = {m: [] for m in METHODS}
     forwards = [0]  # target forwards: τ here is tokens per forward after the prefill, AR rounds included
@@ -168,6 +186,8 @@ def main(argv=None) -> int:
             before = forwards[0]
             res = engines[m].generate(r["ids"], params, profile=True)
             pre = res.timings.get("prefill", 0.0)
+            if a.device != "cpu":
+                torch.cuda.synchronize()
             results[m].append(
                 {
                     "tokens": res.token_ids,
