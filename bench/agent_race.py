@@ -142,9 +142,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(2)
     target = load_target(a.target, dtype=torch.float32, device=a.device)
     cpu = a.device == "cpu"  # the drafter as `dspine serve` decodes it there: int8 on a CPU, else the target's fp32
-    drafter = load_drafter(
-        builtin_drafter("smollm2-135m-instruct"), target, torch.qint8 if cpu else torch.float32, a.device
-    )
+    path = a.drafter or builtin_drafter("smollm2-135m-instruct")
+    drafter = load_drafter(path, target, torch.qint8 if cpu else torch.float32, a.device)
     if a.rows:
         saved = json.loads(Path(a.rows).read_text())
         rows, pool = saved["rows"], [tuple(x) for x in saved["corpus"]]
