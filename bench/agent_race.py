@@ -123,6 +123,23 @@ def corpus_rows(target, convs: list[dict]) -> list[tuple[str, list[int]]]:
     return out
 
 
+def load_rows(a, target) -> tuple[list[dict], list[tuple[str, list[int]]]]:
+    """(the measured turns, the corpus rows): read from --rows, or rendered from the conversations (held out by
+    task: every other task is measured, the rest feed the corpus)."""
+    if a.rows:
+        saved = json.loads(Path(a.rows).read_text())
+        rows, pool = saved["rows"], [tuple(x) for x in saved["corpus"]]
+    else:
+        convs = conversations(Path(a.data))
+        held, base = [], []
+        for w in sorted({c["workload"] for c in convs}):
+            mine = [c for c in convs if c["workload"] == w]
+            held += mine[1::2][: a.tasks]  # every other task is measured, the rest feed the corpus
+            base += mine[0::2]
+        rows, pool = turns(target, held, a.turns_per_task, a.max_context), corpus_rows(target, base)
+    return rows, pool
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DATA), help="the agent_trajectories folder (default: %(default)s)")
@@ -137,6 +154,13 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", help="the DSpine checkpoint (default: the shipped one)")
     ap.add_argument("--save-rows", help="render the turns and the corpus (token ids) into this file and stop")
     ap.add_argument("--rows", help="measure the turns and corpus --save-rows wrote (no rendering: no pydantic needed)")
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="above 1: every method decodes all turns with this many in flight (generate_stream, continuous "
+        "batching as `dspine serve` schedules) and is reported by tokens/s over the whole run",
+    )
     a = ap.parse_args(argv)
     if a.device == "cpu":
         torch.set_num_threads(2)
@@ -144,17 +168,7 @@ def main(argv=None) -> int:
     cpu = a.device == "cpu"  # the drafter as `dspine serve` decodes it there: int8 on a CPU, else the target's fp32
     path = a.drafter or builtin_drafter("smollm2-135m-instruct")
     drafter = load_drafter(path, target, torch.qint8 if cpu else torch.float32, a.device)
-    if a.rows:
-        saved = json.loads(Path(a.rows).read_text())
-        rows, pool = saved["rows"], [tuple(x) for x in saved["corpus"]]
-    else:
-        convs = conversations(Path(a.data))
-        held, base = [], []
-        for w in sorted({c["workload"] for c in convs}):
-            mine = [c for c in convs if c["workload"] == w]
-            held += mine[1::2][: a.tasks]  # every other task is measured, the rest feed the corpus
-            base += mine[0::2]
-        rows, pool = turns(target, held, a.turns_per_task, a.max_context), corpus_rows(target, base)
+    rows, pool = load_rows(a, target)
     if a.save_rows:
         atomic_write_text(Path(a.save_rows), json.dumps({"rows": rows, "corpus": pool}))
         return 0
@@ -179,6 +193,8 @@ def main(argv=None) -> int:
     target.forward = lambda *x, **k: forwards.__setitem__(0, forwards[0] + 1) or real_forward(*x, **k)
     for eng in engines.values():  # untimed first calls (the int8 drafter's kernels, allocations)
         eng.generate(rows[0]["ids"][-64:], SamplingParams(max_tokens=8))
+    if a.concurrency > 1:
+        return _race_batched(a, engines, rows, params)
     t_start = time.time()
     for k, r in enumerate(rows):
         for m in METHODS:
@@ -245,6 +261,51 @@ def main(argv=None) -> int:
     if a.summary:
         keys = ("workloads", "hybrid_over_best_single", "git_sha", "command", "hardware")
         update_summary(a.summary, "agent_race", {k: doc[k] for k in keys})
+    print(table)
+    return 0
+
+
+def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams) -> int:
+    """Every method over all turns at a.concurrency in flight: tokens/s over the run, × AR, = AR per turn."""
+    from dspine.engine import generate_stream
+
+    prompts, got = [r["ids"] for r in rows], {}
+    for m in METHODS:
+        t0 = time.time()
+        res = generate_stream(engines[m], prompts, params, a.concurrency)
+        got[m] = (res, time.time() - t0)
+        print(f"{m}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    doc = {**provenance(), "settings": vars(a), "concurrency": a.concurrency, "workloads": {}}
+    for w in sorted({r["workload"] for r in rows}) + ["all"]:
+        idx = [i for i, r in enumerate(rows) if w in ("all", r["workload"])]
+        cell = {"rows": len(idx), "tasks": len({rows[i]["task"] for i in idx}), "match_ar": {}}
+        for m, (res, _) in got.items():
+            cell["match_ar"][m] = sum(res[i].token_ids == got["ar"][0][i].token_ids for i in idx) / len(idx)
+        doc["workloads"][w] = cell
+    toks = {m: sum(len(r.token_ids) for r in res) for m, (res, _) in got.items()}
+    doc["tokens_per_s"] = {m: round(toks[m] / secs, 2) for m, (_, secs) in got.items()}
+    doc["speed_vs_ar"] = {m: round(doc["tokens_per_s"][m] / doc["tokens_per_s"]["ar"], 3) for m in METHODS}
+    best = max(doc["tokens_per_s"][m] for m in ("suffix+corpus", "dspine"))
+    doc["hybrid_over_best_single"] = round(doc["tokens_per_s"]["hybrid"] / best, 3)
+    rows_md = [
+        [
+            m,
+            f"{doc['tokens_per_s'][m]:.1f}",
+            f"{doc['speed_vs_ar'][m]:.2f}",
+            f"{doc['workloads']['all']['match_ar'][m]:.2f}",
+        ]
+        for m in METHODS
+    ]
+    table = (
+        f"concurrency {a.concurrency}, {len(rows)} turns (all workloads), tokens/s over the whole run "
+        "(prefills included)\n\n"
+        + md_table(["method", "tok/s", "× AR", "= AR"], rows_md)
+        + f"\n\nhybrid / the faster of suffix+corpus and DSpine: {doc['hybrid_over_best_single']:.2f}\n\n"
+        + f"{doc['git_sha'][:7]} · {doc['hardware']} · `{doc['command']}`\n"
+    )
+    out = Path(a.out)
+    atomic_write_text(out, json_text(doc))
+    atomic_write_text(out.with_suffix(".md"), table)
     print(table)
     return 0
 
