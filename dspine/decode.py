@@ -232,7 +232,7 @@ class BatchDecode:
         single = len(self) == 1 and self.counts is None and self.forced[0] is None
         if single and (engine.tree is not None or engine.suffix is not None):
             sd = self.suffix[0].draft() if engine.suffix is not None else None
-            static = engine.tree or (DraftTree.parse("0" * engine.draft_len) if drafter is not None else None)
+            static = engine.round_tree
             run = static is not None and not (sd and sd.expected_tokens() >= engine.suffix.skip_drafter_tokens)
             run = run and static.depth <= room  # the drafter's slots within the window
             if not run and not sd:

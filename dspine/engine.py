@@ -93,6 +93,10 @@ class Engine:
         self.spec_max_batch = spec_max_batch
         if drafter is None and suffix is not None:  # suffix alone: a batched round's chain is at most this long
             self.draft_len = draft_len or suffix.max_depth
+        # a single request's tree rounds: the engine's tree, or (suffix drafts beside a chain) the chain as a tree
+        self.round_tree = self.tree
+        if self.tree is None and suffix is not None and drafter is not None:
+            self.round_tree = DraftTree.parse("0" * self.draft_len)
         self.policy = DraftPolicy(self.draft_len) if goodput and drafter is not None else None
         self.max_positions = target.info.max_position_embeddings
 

@@ -98,7 +98,8 @@ class SuffixIndex:
         self.order: deque[int] = deque()  # serials, oldest first
         self.next_serial = 0
         self.tokens = 0
-        self.dead = 0  # index entries of evicted sequences still in `keys`
+        self.entries = 0  # (serial, end) entries in `keys`
+        self.dead = 0  # those of evicted sequences
 
     def add(self, tokens: list[int]) -> int:
         """A new sequence -> its serial."""
@@ -116,6 +117,7 @@ class SuffixIndex:
             end = len(seq)
             for n in range(1, min(self.max_match, end) + 1):
                 self.keys.setdefault(tuple(seq[end - n : end]), []).append((serial, end))
+            self.entries += min(self.max_match, end)
         self.tokens += len(tokens)
 
     def evict_to(self, budget: int) -> None:
@@ -124,16 +126,14 @@ class SuffixIndex:
             s = self.order.popleft()
             n = len(self.seqs.pop(s))
             self.tokens -= n
-            self.dead += n * self.max_match
-        if self.dead > sum(len(v) for v in self.keys.values()) // 2:
+            self.dead += sum(min(self.max_match, end) for end in range(1, n + 1))
+        if self.dead > self.entries // 2:
             self._rebuild()
 
     def _rebuild(self) -> None:
         self.keys = {k: kept for k, v in self.keys.items() if (kept := [e for e in v if e[0] in self.seqs])}
+        self.entries -= self.dead
         self.dead = 0
-
-    def entries(self) -> int:
-        return sum(len(v) for v in self.keys.values())
 
     def continuations(self, context: list[int], cfg: SuffixConfig) -> tuple[int, list[list[int]]]:
         """The longest suffix of `context` (>= min_match) that occurs -> (its length, the token sequences after its
@@ -259,11 +259,14 @@ class RequestSuffix:
         self.cfg, self.corpus, self.workload = cfg, corpus, workload
         self.index = SuffixIndex(cfg.max_match)
         self.serial = self.index.add(list(prompt))
-        self.context = list(prompt)
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt + output so far: the request's own sequence in its index."""
+        return self.index.seqs[self.serial]
 
     def push(self, tokens: list[int]) -> None:
         self.index.extend(self.serial, tokens)
-        self.context.extend(int(t) for t in tokens)
 
     def draft(self) -> SuffixDraft:
         own = self.index.continuations(self.context, self.cfg)

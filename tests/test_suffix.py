@@ -48,7 +48,8 @@ def test_corpus_evicts_oldest_within_its_budget_and_bounds_the_index():
         corpus.add([k % 50] * 10 + list(range(10)), workload="tool")
     idx = corpus.indexes["tool"]
     assert corpus.tokens("tool") <= 100 and len(idx.seqs) == 5
-    assert idx.entries() <= 2 * (idx.tokens * cfg.max_match) + 20 * cfg.max_match  # dead entries dropped
+    assert idx.entries == sum(len(v) for v in idx.keys.values())  # counted as added and dropped
+    assert idx.entries <= 2 * (idx.tokens * cfg.max_match) + 20 * cfg.max_match  # dead entries dropped
     assert corpus.continuations([1, 2, 3], "tool")[1][0][:3] == [4, 5, 6]
     assert corpus.continuations([1, 2, 3], "swe") == corpus.continuations([1, 2, 3], "default")  # no index: nothing
     with pytest.raises(ValueError, match="outside the target's vocabulary"):

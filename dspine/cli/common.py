@@ -61,6 +61,17 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 DRAFTER_SPEC = "a checkpoint folder, builtin, none, suffix (suffix drafting alone) or CHECKPOINT+suffix (hybrid)"
 
 
+def add_drafter(p: argparse.ArgumentParser, default: str) -> None:
+    """--drafter as generate and serve take it (split_drafter_spec reads it); `default`: what an absent one means."""
+    p.add_argument(
+        "--drafter",
+        help="drafter checkpoint folder (config.json + model.safetensors), 'builtin' (the drafter shipped for the "
+        "built-in target) or 'none' (AR); 'suffix': suffix drafting alone (no weights: drafts from the prompt, the "
+        "output so far and, when serving, the served traffic); CHECKPOINT+suffix (e.g. builtin+suffix): both merged "
+        f"into one verified tree (default: {default})",
+    )
+
+
 def split_drafter_spec(spec: str | None) -> tuple[str | None, bool]:
     """A --drafter value -> (the model drafter's part, suffix drafting on): "builtin+suffix" -> ("builtin", True),
     "suffix" -> ("none", True)."""

@@ -7,6 +7,7 @@ import json
 from dspine.cli.common import (
     UsageError,
     add_draft_dtype,
+    add_drafter,
     add_engine_options,
     add_target,
     drafter_dtype,
@@ -27,13 +28,7 @@ def add_generate(sub) -> None:
     )
     add_target(g)
     add_draft_dtype(g)
-    g.add_argument(
-        "--drafter",
-        help="drafter checkpoint folder (config.json + model.safetensors), 'builtin' or 'none'; 'suffix': suffix "
-        "drafting alone (drafts from the prompt and the output so far, no weights); CHECKPOINT+suffix (e.g. "
-        "builtin+suffix): both merged into one verified tree (default: builtin for the built-in target unless "
-        "--method ar)",
-    )
+    add_drafter(g, "builtin for the built-in target unless --method ar")
     add_engine_options(g)
     g.add_argument(
         "--method",

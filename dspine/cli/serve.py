@@ -9,6 +9,7 @@ import sys
 from dspine.cli.common import (
     UsageError,
     add_draft_dtype,
+    add_drafter,
     add_engine_options,
     add_target,
     drafter_dtype,
@@ -30,13 +31,7 @@ def add_serve(sub) -> None:
     )
     add_target(s)
     add_draft_dtype(s)
-    s.add_argument(
-        "--drafter",
-        help="drafter checkpoint folder, 'builtin' (the drafter shipped for the built-in target) or 'none' (AR); "
-        "'suffix': suffix drafting alone (no weights: the request's prompt and output, and the served traffic so far); "
-        "CHECKPOINT+suffix (e.g. builtin+suffix): both merged into one verified tree (default: builtin for the "
-        "built-in target, else none)",
-    )
+    add_drafter(s, "builtin for the built-in target, else none")
     add_engine_options(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
