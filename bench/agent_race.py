@@ -252,6 +252,7 @@ def main(argv=None) -> int:
             cell["decode_vs_ar"][m] = round(cell["decode_tokens_per_s"][m] / cell["decode_tokens_per_s"]["ar"], 3)
         best = max(cell["tokens_per_s"][m] for m in ("suffix+corpus", "dspine"))
         cell["hybrid_over_best_single"] = round(cell["tokens_per_s"]["hybrid"] / best, 3)
+        cell["ci95"] = task_intervals(rows, idx, results)
         doc["workloads"][w] = cell
     doc["hybrid_over_best_single"] = doc["workloads"]["all"]["hybrid_over_best_single"]
     out = Path(a.out)
@@ -310,6 +311,32 @@ def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams) ->
     return 0
 
 
+def task_intervals(rows: list[dict], idx: list[int], results: dict, draws: int = 2000) -> dict:
+    """95% bootstrap intervals over tasks (a task's turns resampled together) of each method's pooled τ and ×AR
+    (tokens/s over the resampled turns), and of hybrid over the faster of suffix+corpus and DSpine."""
+    import random
+
+    tasks: dict[str, list[int]] = {}
+    for i in idx:
+        tasks.setdefault(rows[i]["task"], []).append(i)
+    groups, rng = list(tasks.values()), random.Random(0)
+
+    def figures(pick: list[int]) -> dict:
+        tok = {m: sum(len(results[m][i]["tokens"]) for i in pick) for m in METHODS}
+        tps = {m: tok[m] / sum(results[m][i]["seconds"] for i in pick) for m in METHODS}
+        out = {f"tau/{m}": (tok[m] - len(pick)) / max(1, sum(results[m][i]["rounds"] for i in pick)) for m in METHODS}
+        out.update({f"x_ar/{m}": tps[m] / tps["ar"] for m in METHODS})
+        out["hybrid_over_best_single"] = tps["hybrid"] / max(tps["suffix+corpus"], tps["dspine"])
+        return out
+
+    samples = [figures([i for g in rng.choices(groups, k=len(groups)) for i in g]) for _ in range(draws)]
+    ci = {}
+    for key in samples[0]:
+        vals = sorted(x[key] for x in samples)
+        ci[key] = [round(vals[int(0.025 * draws)], 3), round(vals[int(0.975 * draws) - 1], 3)]
+    return ci
+
+
 def race_table(doc: dict) -> str:
     lines = []
     for w, c in doc["workloads"].items():
@@ -330,7 +357,12 @@ def race_table(doc: dict) -> str:
             for m in METHODS
         ]
         lines.append(md_table(["method", "τ", "tok/s", "× AR", "decode tok/s", "decode × AR", "= AR"], rows))
-        lines.append(f"\nhybrid / the faster of suffix+corpus and DSpine: {c['hybrid_over_best_single']:.2f}\n")
+        ci = c.get("ci95", {})
+        lines.append(
+            f"\nhybrid / the faster of suffix+corpus and DSpine: {c['hybrid_over_best_single']:.2f} "
+            f"(95% over tasks {ci.get('hybrid_over_best_single')}); hybrid τ {ci.get('tau/hybrid')}, "
+            f"× AR {ci.get('x_ar/hybrid')}; DSpine τ {ci.get('tau/dspine')}, suffix τ {ci.get('tau/suffix')}\n"
+        )
     lines.append(f"{doc['git_sha'][:7]} · {doc['hardware']} · `{doc['command']}`")
     return "\n".join(lines) + "\n"
 
