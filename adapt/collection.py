@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dspine.agents.base import LEVELS, AgentConfig, endpoint_info, episode_id, litellm_quiet
@@ -29,8 +29,11 @@ from dspine.agents.traces import Store, shard
 from dspine.io import md_table
 
 WORKLOADS = ("swe", "tool", "office")
+REPLAY_WORKLOADS = ("tool_replay", "swe_replay")  # what the shipped conversations hold; user files may add others
+SOURCES = ("live", "replay")
 # a different value of any of these makes a different collection (the endpoint may move)
 IDENTITY = (
+    "source",
     "workloads",
     "levels",
     "episodes",
@@ -40,6 +43,8 @@ IDENTITY = (
     "max_tokens",
     "max_episode_tokens",
     "temperature",
+    "conversations_sha256",
+    "max_context",
 )
 
 
@@ -69,25 +74,38 @@ class CollectConfig:
     # "ray": episodes as Ray tasks (a local head, or the cluster of RAY_ADDRESS); "local": worker processes of
     # this machine without Ray (each episode tried 1 + retries times), where Ray is not installed
     executor: str = "ray"
+    # replay: recorded conversations (files or folders; agents.replay formats) replayed turn by turn
+    source: str = "live"
+    conversations: list[str] = field(default_factory=list)
+    format: str = "auto"
+    tokenizer: str = ""  # the target whose rendering decides the cuts (default: the endpoint's `target`)
+    max_context: int = 0  # the window a prefix + max_tokens must fit (default: the endpoint's max_model_len)
+    skip_oversize: bool = False  # a turn that cannot fit even cut: skipped and counted (default: refused)
+    conversations_sha256: str = ""  # filled in by check(): what the conversation files hold
 
     def identity(self) -> dict:
         return {k: getattr(self, k) for k in IDENTITY}
 
     def agent(self) -> AgentConfig:
+        replay = self.source == "replay"
         return AgentConfig(
             endpoint=self.endpoint,
             model=self.model or "dspine",
             api_key=self.api_key,
-            max_turns=self.max_turns,
+            max_turns=10**6 if replay else self.max_turns,  # replay: the plan bounds the turns
             max_tokens=self.max_tokens,
-            max_episode_tokens=self.max_episode_tokens,
+            max_episode_tokens=10**9 if replay else self.max_episode_tokens,
             wall_s=self.wall_s,
             temperature=self.temperature,
             tool_limits=JailLimits(wall_s=self.tool_wall_s),
         )
 
 
-def harness(name: str):
+def harness(name: str, cfg: CollectConfig | None = None):
+    if cfg is not None and cfg.source == "replay":
+        from dspine.agents.replay import ReplayHarness, read_all
+
+        return ReplayHarness([c for c in read_all(cfg.conversations, cfg.format) if c.workload == name])
     if name == "swe":
         from dspine.agents.swe import SweHarness
 
@@ -103,9 +121,26 @@ def harness(name: str):
     raise CollectError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
 
 
-def plan(cfg: CollectConfig) -> list[dict]:
+def plan(cfg: CollectConfig, turns: dict | None = None) -> list[dict]:
     """Every episode, in rounds: episode i of each workload × level cell before episode i + 1 of any, so a
-    collection stopped early (or still running) holds every cell in equal measure."""
+    collection stopped early (or still running) holds every cell in equal measure. Replay: one episode per
+    conversation × level, carrying its planned turns (`turns`: {(conversation, level): [(turn, cut, tokens)]},
+    from check_replay)."""
+    if cfg.source == "replay":
+        return [
+            {
+                "episode_id": episode_id(c.workload, c.id, level, 0),
+                "workload": c.workload,
+                "task_id": c.id,
+                "family": c.task_id,
+                "level": level,
+                "rep": 0,
+                "turns": turns[(c.id, level)],
+            }
+            for c in _replay_conversations(cfg)
+            for level in cfg.levels
+            if turns[(c.id, level)]
+        ]
     tasks = {w: harness(w).tasks() for w in cfg.workloads}
     for w, ts in tasks.items():
         random.Random(f"{cfg.seed}/{w}").shuffle(ts)
@@ -126,10 +161,71 @@ def plan(cfg: CollectConfig) -> list[dict]:
     return out
 
 
+def _replay_conversations(cfg: CollectConfig) -> list:
+    from dspine.agents.replay import read_all
+
+    return [c for c in read_all(cfg.conversations, cfg.format) if not cfg.workloads or c.workload in cfg.workloads]
+
+
+def check_replay(cfg: CollectConfig, info: dict) -> tuple[dict, dict]:
+    """Reads the conversations and plans every turn's cut with the target's rendering -> ({(conversation, level):
+    turns}, {"oversize": [...], "turns": n}). Raises CollectError on bad input (an unreadable or unknown format, a
+    conversation without assistant turns, a turn that cannot fit unless skip_oversize)."""
+    import hashlib
+
+    from dspine.agents.replay import Renderer, ReplayError, collect_files, plan_turns
+
+    if not cfg.conversations:
+        raise CollectError("--source replay needs --conversations (files or folders of recorded conversations)")
+    try:
+        convs = _replay_conversations(cfg)
+    except ReplayError as e:
+        raise CollectError(str(e)) from None
+    if not convs:
+        raise CollectError(f"no conversation of workload(s) {cfg.workloads} in {cfg.conversations}")
+    h = hashlib.sha256()
+    for f in collect_files(cfg.conversations):
+        h.update(f.read_bytes())
+    cfg.conversations_sha256 = h.hexdigest()
+    cfg.tokenizer = cfg.tokenizer or str(info.get("target") or "")
+    cfg.max_context = cfg.max_context or int(info.get("max_model_len") or 0)
+    if not cfg.tokenizer or not cfg.max_context:
+        raise CollectError("the endpoint does not say its target or window: give --tokenizer and --max-context")
+    budget = cfg.max_context - cfg.max_tokens
+    if budget < 1:
+        raise CollectError(f"--max-tokens {cfg.max_tokens} leaves no room in a window of {cfg.max_context}")
+    try:
+        renderer = Renderer(cfg.tokenizer)
+    except Exception as e:
+        raise CollectError(f"cannot load the tokenizer of {cfg.tokenizer!r}: {e}") from None
+    plans, oversize = {}, []
+    from tqdm import tqdm
+
+    for c in tqdm(convs, desc="planning turns", disable=len(convs) < 20):
+        for level in cfg.levels:
+            try:
+                p = plan_turns(c, renderer, level, budget, cfg.max_turns)
+            except Exception as e:  # a message the server would refuse, a template that rejects it
+                raise CollectError(f"conversation {c.id}: cannot render it as the server would: {e}") from None
+            plans[(c.id, level)] = [list(t) for t in p.turns]
+            oversize += [f"{c.id} turn {i} ({level})" for i in p.oversize]
+    if oversize and not cfg.skip_oversize:
+        raise CollectError(
+            f"{len(oversize)} turn(s) do not fit a window of {cfg.max_context} ({cfg.max_tokens} for the reply) even "
+            f"with every earlier message cut, e.g. {oversize[:3]}; --skip-oversize skips them (counted)"
+        )
+    n = sum(map(len, plans.values()))
+    if not n:
+        raise CollectError("no turn to replay")
+    return plans, {"oversize": oversize, "turns": n}
+
+
 def check(cfg: CollectConfig) -> dict:
     """Validates everything before work is submitted -> the endpoint's model info. Raises CollectError."""
+    if cfg.source not in SOURCES:
+        raise CollectError(f"source {cfg.source!r}: one of {', '.join(SOURCES)}")
     bad = [w for w in cfg.workloads if w not in WORKLOADS]
-    if bad or not cfg.workloads:
+    if cfg.source == "live" and (bad or not cfg.workloads):
         raise CollectError(f"unknown workload(s) {bad or '(none given)'}; choose from {', '.join(WORKLOADS)}")
     if cfg.executor not in ("ray", "local"):
         raise CollectError(f"executor {cfg.executor!r}: ray or local")
@@ -137,6 +233,8 @@ def check(cfg: CollectConfig) -> dict:
     if bad or not cfg.levels:
         raise CollectError(f"unknown thinking level(s) {bad or '(none given)'}; choose from {', '.join(LEVELS)}")
     for name in ("episodes", "concurrency", "max_turns", "max_tokens"):
+        if name == "max_turns" and cfg.source == "replay" and cfg.max_turns == 0:
+            continue  # replay: 0 replays every turn
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             raise CollectError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
     if cfg.retries < 0:
@@ -152,23 +250,35 @@ def check(cfg: CollectConfig) -> dict:
         st.delete("_tmp", "probe")
     except Exception as e:
         raise CollectError(f"cannot write the output directory {cfg.out!r}: {e}") from None
-    if st.exists("config.json"):
-        old = st.read_json("config.json").get("identity", {})
-        diff = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
-        if diff:
-            raise CollectError(
-                f"{cfg.out!r} holds a collection of another configuration ({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "  # noqa: E501
-                "use another --out"
-            )
+    if cfg.source == "live":
+        _check_identity(cfg)
     return info
+
+
+def _check_identity(cfg: CollectConfig) -> None:
+    """A collection directory holds one configuration: a re-run with another is refused (a key an older
+    collection did not record counts as its default)."""
+    st = Store(cfg.out)
+    if not st.exists("config.json"):
+        return
+    defaults = {f.name: f.default for f in fields(CollectConfig) if f.name in IDENTITY}
+    old = {**defaults, **st.read_json("config.json").get("identity", {})}
+    diff = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
+    if diff:
+        raise CollectError(
+            f"{cfg.out!r} holds a collection of another configuration ({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "  # noqa: E501
+            "use another --out"
+        )
 
 
 def run_episode(spec: dict, cfg_dict: dict, info: dict) -> dict:
     """One episode, on a Ray worker (or inline): runs it, writes its shard and summary -> the summary."""
     litellm_quiet()
     cfg = CollectConfig(**cfg_dict)
-    h = harness(spec["workload"])
+    h = harness(spec["workload"], cfg)
     task = next(t for t in h.tasks() if t.id == spec["task_id"])
+    if "turns" in spec:
+        task.data["turns"] = spec["turns"]
     scratch = Path(cfg.scratch or tempfile.gettempdir()) / "dspine-episodes" / spec["episode_id"]
     try:
         res = h.run(cfg.agent(), task, spec["level"], spec["episode_id"], scratch, info)
@@ -190,7 +300,13 @@ def done(st: Store, spec: dict) -> bool:
 
 def collect(cfg: CollectConfig, dry_run: bool = False, progress: bool = True) -> dict:
     info = check(cfg)
-    todo = plan(cfg)
+    extra: dict = {}
+    if cfg.source == "replay":
+        turns, extra = check_replay(cfg, info)
+        _check_identity(cfg)
+        todo = plan(cfg, turns)
+    else:
+        todo = plan(cfg)
     st = Store(cfg.out)
     pending = [s for s in todo if not done(st, s)]
     if dry_run:
@@ -208,6 +324,8 @@ def collect(cfg: CollectConfig, dry_run: bool = False, progress: bool = True) ->
             st.write_json({**s, "reason": failures[s["episode_id"]]}, "failures", f"{s['episode_id']}.json")
     bar.close()
     acc = accounts(st, todo, skipped=len(todo) - len(pending), failed=failures, seconds=time.time() - t0)
+    if extra:
+        acc["replay"] = {"turns_planned": extra["turns"], "oversize_skipped": extra["oversize"]}
     st.write_json(acc, "accounts.json")
     st.clean_tmp()  # what killed workers left half-written
     return acc

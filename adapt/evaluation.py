@@ -12,9 +12,18 @@ Design choices:
   task at another level or in another episode) is reported beside the table.
 - **General skills**: `eval.acceptance.evaluate` on the seven benchmarks at T = 0 for base and every adapted
   drafter; regression = 1 − τ(adapted) / τ(base) on the benchmark mean.
-- **The gate** refuses an adapted drafter whose τ on any of its cells is below the base's (`min_ratio`,
-  default 1.0) or whose general regression exceeds `max_general_regression` (default 2%); the decision and
-  its figures are written with the evaluation.
+- **Honest cells**: the rows replayed are the fine-tune's test part (held out by task by default, apart from the
+  validation part that picked the checkpoint and the blend). Each cell reports rows, tasks and generated tokens
+  beside its pooled τ, and 95% bootstrap intervals over tasks (a task's rows resampled together) for τ base, τ
+  adapted and their ratio; a cell with fewer than `min_rows` rows or `min_tasks` tasks is "too few". The general
+  regression has its interval too (benchmark items resampled, base and adapted paired).
+- **Thinking levels as labels**: on a target without a thinking mode a level is a system note; the document says
+  so (`levels`), and cells of one workload whose rows are the same conversations at another level are marked as
+  such, not as separate measurements.
+- **The gate** refuses an adapted drafter when any of its cells is too few, when its τ ratio on any cell is below
+  `min_ratio` (default 1.0), or when the general regression exceeds `max_general_regression` (default 2%) or its
+  interval's upper end exceeds `max_general_regression_upper` (default 3%); the decision and its figures are
+  written with the evaluation.
 """
 
 from __future__ import annotations
@@ -38,6 +47,10 @@ class EvalConfig:
     max_rows: int = 0  # held-out rows replayed per group, taken in turn from each of its cells; 0: all
     min_ratio: float = 1.0  # gate: τ(adapted) / τ(base) on each of its cells at least this
     max_general_regression: float = 0.02  # gate: 1 − τ(adapted) / τ(base) on the benchmark mean at most this
+    max_general_regression_upper: float = 0.03  # gate: the upper end of that regression's 95% interval at most this
+    min_rows: int = 30  # a cell with fewer test rows is "too few": reported, and the gate refuses on it
+    min_tasks: int = 3  # ... or with fewer test tasks
+    draws: int = 2000  # bootstrap draws for the intervals
     batch_size: int = 8  # held-out rows replayed together (one drafter, by prompt length)
     general_workers: int = 1  # processes for the general benchmarks (a GPU is shared well by several)
     summary: str = ""  # summary.json whose `adaptation` section is rewritten
@@ -58,20 +71,65 @@ def _spread(rows: list[dict], n: int) -> list[dict]:
     return out[:n]
 
 
-def gate(doc: dict, min_ratio: float = 1.0, max_general_regression: float = 0.02) -> dict:
+def gate(
+    doc: dict, min_ratio: float = 1.0, max_general_regression: float = 0.02, max_general_regression_upper: float = 1.0
+) -> dict:
     """{group: {"accept": bool, "reasons": [...]}} from an evaluation document."""
     out = {}
     for g, info in doc["drafters"].items():
         reasons = []
         for c in info["cells"]:
-            r = doc["per_cell"][c]["ratio"]
+            cell = doc["per_cell"][c]
+            if cell.get("too_few"):
+                reasons.append(f"{c}: too few ({cell['rows']} rows, {cell['tasks']} tasks)")
+            r = cell["ratio"]
             if r < min_ratio:
                 reasons.append(f"{c}: τ ratio {r:.3f} < {min_ratio}")
-        reg = (doc.get("general") or {}).get("regression", {}).get(g)
+        gen = doc.get("general") or {}
+        reg = gen.get("regression", {}).get(g)
         if reg is not None and reg > max_general_regression:
             reasons.append(f"general benchmarks regress {reg:.1%} > {max_general_regression:.0%}")
+        ci = (gen.get("regression_ci") or {}).get(g)
+        if ci is not None and ci[1] > max_general_regression_upper:
+            reasons.append(f"general regression's interval reaches {ci[1]:.1%} > {max_general_regression_upper:.0%}")
         out[g] = {"accept": not reasons, "reasons": reasons}
     return out
+
+
+def cell_figures(rows: list[tuple[str, AcceptanceStats, AcceptanceStats, int]], cfg: EvalConfig) -> dict:
+    """A cell's figures from its rows (task, base stats, adapted stats, generated tokens): pooled τ of each side,
+    the ratio, rows, tasks, tokens, 95% intervals over tasks, and whether it is too few to judge."""
+    from dspine.stats import bootstrap_over_groups
+
+    def merged(items) -> tuple[AcceptanceStats, AcceptanceStats]:
+        b, a = items[0][1], items[0][2]
+        for r in items[1:]:
+            b, a = b.merge(r[1]), a.merge(r[2])
+        return b, a
+
+    def pooled(items) -> dict:
+        b, a = merged(items)
+        return {"base": b.tau, "adapted": a.tau, "ratio": a.tau / b.tau if b.tau else 0.0}
+
+    by_task: dict[str, list] = {}
+    for r in rows:
+        by_task.setdefault(r[0], []).append(r)
+    b, a = merged(rows)
+    ci = bootstrap_over_groups(list(by_task.values()), pooled, cfg.draws)
+    return {
+        "base": b.tau,
+        "adapted": a.tau,
+        "ratio": a.tau / b.tau,
+        "base_ci": ci["base"],
+        "adapted_ci": ci["adapted"],
+        "ratio_ci": ci["ratio"],
+        "rows": len(rows),
+        "tasks": len(by_task),
+        "tokens": sum(r[3] for r in rows),
+        "too_few": len(rows) < cfg.min_rows or len(by_task) < cfg.min_tasks,
+        "rounds": {"base": b.rounds, "adapted": a.rounds},
+        "per_slot": {"base": b.per_slot, "adapted": a.per_slot},
+    }
 
 
 def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
@@ -102,25 +160,14 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
         adapted = load_drafter(info["drafter"], target, device=fc["device"])
         jobs = [(n, list(r["prompt_token_ids"]), list(r["completion_token_ids"])) for r in grows for n in ("base", g)]
         res = replay(target, {"base": base, g: adapted}, jobs, progress=progress, batch_size=cfg.batch_size)
-        cells = {}
-        for (name, _, _), r, row in zip(jobs, res, [r for r in grows for _ in (0, 1)]):
-            st = AcceptanceStats(r["block_size"], r["accept_hist"])
-            key = cell_of(row)
-            side = "base" if name == "base" else "adapted"
-            cell = cells.setdefault(key, {"rows": 0})
-            cell[side] = cell[side].merge(st) if side in cell else st
-            cell["rows"] += side == "base"
-        for key, cell in cells.items():
-            b, a = cell["base"], cell["adapted"]
-            per_cell[key] = {
-                "base": b.tau,
-                "adapted": a.tau,
-                "ratio": a.tau / b.tau,
-                "rows": cell["rows"],
-                "rounds": {"base": b.rounds, "adapted": a.rounds},
-                "per_slot": {"base": b.per_slot, "adapted": a.per_slot},
-                "drafter": g,
-            }
+        cells: dict[str, list] = {}
+        for k, row in enumerate(grows):
+            b, a = (AcceptanceStats(r["block_size"], r["accept_hist"]) for r in res[2 * k : 2 * k + 2])
+            task = f"{row['workload']}:{row['task_id']}"
+            cells.setdefault(cell_of(row), []).append((task, b, a, len(row["completion_token_ids"])))
+        for key, crow in cells.items():
+            per_cell[key] = {**cell_figures(crow, cfg), "drafter": g}
+        _mark_levels(per_cell, grows, target)
         mine = [r for r in rows if group_of(r, fc.get("per", "all")) == g]
         tasks = {(r["workload"], r["task_id"]) for r in mine if r["episode_id"] in held}
         trained = {(r["workload"], r["task_id"]) for r in mine if r["episode_id"] not in held}
@@ -153,6 +200,7 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
         general = {
             "tau_mean": {n: means[n] for n in models},
             "regression": {g: 1 - means[g] / means["base"] for g in drafters},
+            "regression_ci": {g: regression_interval(ev["results"], g, cfg.draws) for g in drafters},
             "benchmarks": cfg.benchmarks,
             "limit": cfg.limit,
             "max_new_tokens": cfg.max_new_tokens,
@@ -171,10 +219,19 @@ def _finish(cfg: EvalConfig, per_cell: dict, drafters: dict, general: dict | Non
     doc = {"per_cell": per_cell, "drafters": drafters, "general": general, "finetune": str(cfg.finetune)}
     doc["min_ratio"] = min((c["ratio"] for c in per_cell.values()), default=None)
     doc["general_regression"] = max(general["regression"].values()) if general else None
-    doc["gate"] = gate(doc, cfg.min_ratio, cfg.max_general_regression)
+    cis = [c for c in (general or {}).get("regression_ci", {}).values() if c]
+    doc["general_regression_ci"] = max(cis, key=lambda c: c[1]) if cis else None
+    doc["split"] = ",".join(sorted({d.get("split", "episode") for d in drafters.values()})) or None
+    doc["gate"] = gate(doc, cfg.min_ratio, cfg.max_general_regression, cfg.max_general_regression_upper)
     if pending:
         doc["gate"] = {g: {"accept": False, "reasons": ["general benchmarks pending"]} for g in drafters}
-    doc["thresholds"] = {"min_ratio": cfg.min_ratio, "max_general_regression": cfg.max_general_regression}
+    doc["thresholds"] = {
+        "min_ratio": cfg.min_ratio,
+        "max_general_regression": cfg.max_general_regression,
+        "max_general_regression_upper": cfg.max_general_regression_upper,
+        "min_rows": cfg.min_rows,
+        "min_tasks": cfg.min_tasks,
+    }
     doc.update(provenance())
     if cfg.out:
         atomic_write_text(cfg.out, json.dumps(doc, indent=1))
@@ -182,27 +239,89 @@ def _finish(cfg: EvalConfig, per_cell: dict, drafters: dict, general: dict | Non
     return doc
 
 
+def regression_interval(results: dict, name: str, draws: int = 2000) -> list[float] | None:
+    """95% interval of 1 − mean τ(adapted) / mean τ(base) over the benchmarks, each benchmark's items resampled
+    (base and adapted paired on the same items). None when the results carry no per-item τ."""
+    import random
+
+    per = {}
+    for bench, by_t in results.items():
+        cell = by_t.get("T0", {})
+        b, a = cell.get("base", {}).get("per_request_tau"), cell.get(name, {}).get("per_request_tau")
+        if not b or not a or len(b) != len(a):
+            return None
+        per[bench] = list(zip(b, a))
+    rng, vals = random.Random(0), []
+    for _ in range(draws):
+        mb = ma = 0.0
+        for pairs in per.values():
+            pick = rng.choices(pairs, k=len(pairs))
+            mb += sum(p[0] for p in pick) / len(pick)
+            ma += sum(p[1] for p in pick) / len(pick)
+        vals.append(1 - ma / mb)
+    vals.sort()
+    return [vals[int(0.025 * draws)], vals[int(0.975 * draws) - 1]]
+
+
+def _mark_levels(per_cell: dict, rows: list[dict], target) -> None:
+    """On a target without a thinking mode, a workload's cells at several levels replay the same conversations
+    with a system note apart: each such cell names the others (`same_prompts_as`)."""
+    if target.info.model_type.startswith("qwen3"):  # enable_thinking: the levels differ (serve.openai.thinking_mode)
+        return
+    levels: dict[str, set[str]] = {}
+    for r in rows:
+        levels.setdefault(r["workload"], set()).add(r["thinking"])
+    for w, lv in levels.items():
+        if len(lv) > 1:
+            for x in lv:
+                if f"{w}/{x}" in per_cell:
+                    per_cell[f"{w}/{x}"]["same_prompts_as"] = sorted(f"{w}/{y}" for y in lv if y != x)
+
+
 def summary_section(doc: dict) -> dict:
-    keep = ("general_regression", "min_ratio", "git_sha", "command", "hardware")
-    cells = {c: {k: v[k] for k in ("base", "adapted", "ratio")} for c, v in doc["per_cell"].items()}
+    keep = ("general_regression", "general_regression_ci", "min_ratio", "split", "git_sha", "command", "hardware")
+    fields = ("base", "adapted", "ratio", "ratio_ci", "rows", "tasks", "tokens", "too_few")
+    cells = {c: {k: v.get(k) for k in fields} for c, v in doc["per_cell"].items()}
     return {"per_cell": cells, **{k: doc.get(k) for k in keep}}
 
 
 def markdown(doc: dict) -> str:
     from dspine.io import md_table
 
+    def ci(v) -> str:
+        return f" ({v[0]:.2f}–{v[1]:.2f})" if v else ""
+
     rows = [
-        [c, v["drafter"], v["rows"], f"{v['base']:.3f}", f"{v['adapted']:.3f}", f"{v['ratio']:.3f}"]
+        [
+            c + (" ¹" if v.get("same_prompts_as") else ""),
+            v["drafter"],
+            v["rows"],
+            v.get("tasks", "?"),
+            v.get("tokens", "?"),
+            f"{v['base']:.3f}{ci(v.get('base_ci'))}",
+            f"{v['adapted']:.3f}{ci(v.get('adapted_ci'))}",
+            f"{v['ratio']:.3f}{ci(v.get('ratio_ci'))}" + (" — too few" if v.get("too_few") else ""),
+        ]
         for c, v in sorted(doc["per_cell"].items())
     ]
-    text = "# Adaptation: held-out agent traces replayed (exact token prefixes)\n\n"
-    text += md_table(["workload/level", "drafter", "rows", "τ base", "τ adapted", "ratio"], rows)
+    text = f"# Adaptation: test rows replayed (exact token prefixes), split by {doc.get('split') or 'episode'}\n\n"
+    head = ["workload/level", "drafter", "rows", "tasks", "tokens", "τ base (95% CI)", "τ adapted", "ratio"]
+    text += md_table(head, rows)
+    if any(v.get("same_prompts_as") for v in doc["per_cell"].values()):
+        text += (
+            "\n\n¹ the target has no thinking mode: its levels are a system note, so these cells replay the same "
+            "conversations and are not separate measurements"
+        )
     if doc.get("general"):
         g = doc["general"]
         text += f"\n\nGeneral benchmarks (T = 0, {g['limit']} items each): τ " + ", ".join(
             f"{n} {t:.3f}" for n, t in g["tau_mean"].items()
         )
-        text += "; regression " + ", ".join(f"{n} {r:+.1%}" for n, r in g["regression"].items())
+        text += "; regression " + ", ".join(
+            f"{n} {r:+.1%}"
+            + (f" (95% CI {c[0]:+.1%} to {c[1]:+.1%})" if (c := g.get("regression_ci", {}).get(n)) else "")
+            for n, r in g["regression"].items()
+        )
     seen = [
         f"{g} {d['heldout_tasks_seen']}/{d['heldout_tasks']} (split by {d['split']})"
         for g, d in doc["drafters"].items()

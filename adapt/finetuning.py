@@ -4,8 +4,11 @@ Design choices:
 - **Samples from token ids, never from text**: each trace row is one model call; its prompt ids then its
   completion ids are one sequence whose loss covers exactly the completion (the tokens the target generated,
   `traces.loss_mask`). A row longer than `train.max_len` keeps its end: the completion and the context nearest it.
-- **Split by episode**: a seeded share of each workload × level cell's episodes is held out (never a turn of
-  a training episode), for the held-out τ_sim that picks the best checkpoint and for `adapt/evaluate.py`.
+- **Three parts, split by task**: in each workload a seeded share of its tasks goes whole (every conversation,
+  episode and level of the task) to the **test** part (`heldout_fraction`; what `adapt/evaluate.py` and the gate
+  read) and another to the **validation** part (`validation_fraction`; its τ_sim picks the checkpoint and, among
+  `blend_choices`, the blend); no test row ever chooses anything. `split=episode` (per workload × level cell, by
+  episode) is the labelled alternative for traffic with too few tasks.
 - **Groups**: one drafter for all traces, per workload, or per workload × thinking level (`per`).
 - **Warm start, never resume**: the base's weights only (its config and target checked by `load_drafter`),
   a fresh optimizer at a low learning rate; `mode=lora` injects peft LoRA into `target_modules` (by name) and
@@ -61,11 +64,13 @@ class FinetuneConfig:
     per: str = "all"  # all | workload | workload_level
     workloads: list[str] = field(default_factory=list)  # empty: every workload in the traces
     levels: list[str] = field(default_factory=list)
-    heldout_fraction: float = 0.2
-    split: str = "episode"  # the held-out unit: episode (per cell), or task (a workload's task whole, every level)
+    heldout_fraction: float = 0.2  # the test part's share of the split units
+    validation_fraction: float = 0.2  # the validation part's share (picks the checkpoint and the blend)
+    split: str = "task"  # the split unit: task (a workload's task whole, every level), or episode (per cell)
     mix: str = ""  # a regenerated-data folder (dspine regen) mixed in
     mix_fraction: float = 0.0  # share of the training samples drawn from `mix`
     blend: float = 1.0  # the saved drafter: base + blend * (adapted - base); 1: the adapted weights as trained
+    blend_choices: list[float] = field(default_factory=list)  # non-empty: the blend with the best validation τ_sim
     workers: int = 1  # Ray Train workers; 0: in this process, without Ray
     report_every_s: float = 0.0  # > 0: a Ray checkpoint every so many seconds of training
     max_failures: int = 1  # Ray Train restarts of the worker group, each from the last reported checkpoint
@@ -79,10 +84,13 @@ class FinetuneConfig:
             raise ConfigError(f"split {self.split!r}: episode or task")
         if self.per not in ("all", "workload", "workload_level"):
             raise ConfigError(f"per {self.per!r}: all, workload or workload_level")
-        if not 0 <= self.heldout_fraction < 1 or not 0 <= self.mix_fraction < 1:
-            raise ConfigError("heldout_fraction and mix_fraction must be in [0, 1)")
-        if not 0 < self.blend <= 1:
-            raise ConfigError(f"blend {self.blend}: in (0, 1] (1 keeps the adapted weights)")
+        shares = (self.heldout_fraction, self.validation_fraction, self.mix_fraction)
+        if not all(0 <= x < 1 for x in shares):
+            raise ConfigError("heldout_fraction, validation_fraction and mix_fraction must be in [0, 1)")
+        if self.heldout_fraction + self.validation_fraction >= 1:
+            raise ConfigError("heldout_fraction + validation_fraction must leave tasks to train on (< 1)")
+        if not all(0 < b <= 1 for b in [self.blend, *self.blend_choices]):
+            raise ConfigError(f"blend {self.blend}, blend_choices {self.blend_choices}: in (0, 1] (1: as trained)")
         if self.mix_fraction and not self.mix:
             raise ConfigError("mix_fraction > 0 needs mix (a regenerated-data folder)")
         if self.workers < 0 or self.lora_rank < 1 or self.train.max_len < 8:
@@ -114,27 +122,46 @@ def group_of(row: dict, per: str) -> str:
     return {"all": "all", "workload": row["workload"], "workload_level": f"{row['workload']}-{row['thinking']}"}[per]
 
 
-def split_episodes(rows: list[dict], fraction: float, seed: int, by: str = "episode") -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows). by="episode": in each workload × thinking-level cell, a seeded share of its
-    episodes (at least one when the cell has two or more) goes to the held-out side whole, so every cell is
-    measured. by="task": in each workload, a seeded share of its tasks goes whole — every episode of the task at
-    every thinking level — so no held-out prompt is a task the drafter trained on."""
-    unit = (lambda r: r["episode_id"]) if by == "episode" else (lambda r: f"{r['workload']}:{r['task_id']}")
+def split_unit(row: dict, by: str) -> str:
+    return row["episode_id"] if by == "episode" else f"{row['workload']}:{row['task_id']}"
+
+
+def split_rows(
+    rows: list[dict], test: float, validation: float, seed: int, by: str = "task"
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """(train, validation, test) rows. by="task": in each workload, seeded shares of its tasks go whole — every
+    episode of the task at every thinking level — to test and to validation, so no evaluated prompt is a task the
+    drafter trained on or was picked on. by="episode": the same per workload × thinking-level cell with episodes.
+    Each part that asks for a share gets at least one unit while at least one is left to train on; a part is
+    never shared."""
     scope = (lambda r: f"{r['workload']}/{r['thinking']}") if by == "episode" else (lambda r: r["workload"])
-    held: set[str] = set()
     by_scope: dict[str, set[str]] = {}
     for r in rows:
-        by_scope.setdefault(scope(r), set()).add(unit(r))
+        by_scope.setdefault(scope(r), set()).add(split_unit(r, by))
+    part: dict[str, str] = {}
     for key, ids in sorted(by_scope.items()):
         units = sorted(ids)
         random.Random(f"{seed}:{key}").shuffle(units)
-        n = min(len(units) - 1, max(1, round(fraction * len(units)))) if fraction > 0 and len(units) > 1 else 0
-        held.update(units[:n])
-    return [r for r in rows if unit(r) not in held], [r for r in rows if unit(r) in held]
+        left = len(units) - 1  # one always trains
+        n_test = min(left, max(1, round(test * len(units)))) if test > 0 else 0
+        n_val = min(left - n_test, max(1, round(validation * len(units)))) if validation > 0 else 0
+        part.update({u: "test" for u in units[:n_test]})
+        part.update({u: "validation" for u in units[n_test : n_test + n_val]})
+    out: dict[str, list[dict]] = {"train": [], "validation": [], "test": []}
+    for r in rows:
+        out[part.get(split_unit(r, by), "train")].append(r)
+    return out["train"], out["validation"], out["test"]
+
+
+def split_episodes(rows: list[dict], fraction: float, seed: int, by: str = "episode") -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows): split_rows without a validation part."""
+    train, _, held = split_rows(rows, fraction, 0.0, seed, by)
+    return train, held
 
 
 def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
-    """{group: {"train": samples, "heldout": samples, "heldout_episodes": [...], "rows": n}} from the traces."""
+    """{group: {"train": samples, "validation": samples, "heldout_episodes": [...] (the test part),
+    "validation_episodes": [...], "parts": rows and tasks per part, "rows": n}} from the traces."""
     from dspine.agents.traces import Store, load_traces
 
     if not Store(cfg.traces).exists("traces"):
@@ -150,11 +177,16 @@ def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
         groups.setdefault(group_of(r, cfg.per), []).append(r)
     out = {}
     for g, grows in sorted(groups.items()):
-        train, held = split_episodes(grows, cfg.heldout_fraction, cfg.seed, cfg.split)
+        train, val, held = split_rows(grows, cfg.heldout_fraction, cfg.validation_fraction, cfg.seed, cfg.split)
         out[g] = {
             "train": [row_sample(r, cfg.train.max_len) for r in train],
-            "heldout": [row_sample(r, cfg.train.max_len) for r in held],
+            "validation": [row_sample(r, cfg.train.max_len) for r in val],
             "heldout_episodes": sorted({r["episode_id"] for r in held}),
+            "validation_episodes": sorted({r["episode_id"] for r in val}),
+            "parts": {
+                name: {"rows": len(rs), "tasks": len({split_unit(r, "task") for r in rs})}
+                for name, rs in (("train", train), ("validation", val), ("test", held))
+            },
             "rows": len(grows),
         }
     return out
@@ -250,14 +282,15 @@ def train_group(
 
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     drafter = prepare_drafter(cfg, target)
-    base_state = {k: v.clone() for k, v in drafter.state_dict().items()} if cfg.blend < 1 else None
+    blends = cfg.blend_choices or [cfg.blend]
+    base_state = {k: v.clone() for k, v in drafter.state_dict().items()} if min(blends) < 1 else None
     drafter = add_lora(drafter, cfg) if cfg.mode == "lora" else drafter
     train = mix_in(data["train"], cfg)
     tcfg = dataclasses.replace(cfg.train, seed=cfg.seed, stop_after_s=cfg.report_every_s)
     extra = {"adapted_from": cfg.base, "group": group, "mode": cfg.mode, "traces": cfg.traces}
     if resume_from is not None and resume_from != workdir:
         shutil.copytree(resume_from, workdir, dirs_exist_ok=True)
-    tr = Trainer({group: drafter}, target, train, tcfg, data["heldout"] or None, {group: workdir}, extra)
+    tr = Trainer({group: drafter}, target, train, tcfg, data["validation"] or None, {group: workdir}, extra)
     if resume_from is not None:
         tr.resume()
     while True:  # segments of report_every_s: the trainer pauses (saving workdir/last), reports, continues
@@ -271,16 +304,36 @@ def train_group(
         tr.start, tr.spent = step, elapsed
     if tr.rank == 0:
         best = workdir / "best" / "model.safetensors"
-        if best.is_file():  # the best held-out τ_sim, else the last step
+        if best.is_file():  # the best validation τ_sim, else the last step
             from safetensors.torch import load_file
 
             drafter.load_state_dict(load_file(str(best)))
         plain = merge_lora(drafter) if cfg.mode == "lora" else drafter
-        if base_state is not None:
-            blend_weights(plain, base_state, cfg.blend)
+        alpha, scores = choose_blend(cfg, plain, base_state, target, data["validation"])
+        if base_state is not None and alpha < 1:
+            blend_weights(plain, base_state, alpha)
         last = {**hist[-1], "processes": tr.world}
-        save_drafter(plain, workdir / "final", extra={**extra, "history": last, "blend": cfg.blend}, derived=False)
+        info = {**extra, "history": last, "blend": alpha, "blend_validation_tau_sim": scores}
+        save_drafter(plain, workdir / "final", extra=info, derived=False)
     return hist
+
+
+def choose_blend(cfg: FinetuneConfig, drafter, base_state: dict | None, target, validation: list) -> tuple[float, dict]:
+    """The blend to save: `blend`, or among `blend_choices` the one whose blended drafter has the best τ_sim on
+    the validation part (never the test part) -> (alpha, {alpha: τ_sim})."""
+    import copy
+
+    from dspine.train.losses import evaluate_tau_sims
+
+    if not cfg.blend_choices or not validation:
+        return cfg.blend if not cfg.blend_choices else max(cfg.blend_choices), {}
+    cands = {}
+    for a in cfg.blend_choices:
+        d = copy.deepcopy(drafter)
+        cands[str(a)] = blend_weights(d, base_state, a) if a < 1 else d
+    scores = evaluate_tau_sims(cands, target, validation, cfg.train)
+    best = max(cfg.blend_choices, key=lambda a: (scores[str(a)], a))
+    return best, {k: round(v, 4) for k, v in scores.items()}
 
 
 def _ray_worker(conf: dict) -> None:
@@ -342,8 +395,12 @@ def finetune(cfg: FinetuneConfig, progress: bool = True) -> dict:
         summary["groups"][g] = {
             "drafter": str(dest),
             "train_samples": len(data["train"]),
-            "heldout_samples": len(data["heldout"]),
+            "validation_samples": len(data["validation"]),
             "heldout_episodes": data["heldout_episodes"],
+            "validation_episodes": data["validation_episodes"],
+            "parts": data["parts"],
+            "split": cfg.split,
+            "blend": json.loads((final / "config.json").read_text())["dspine_training"].get("blend"),
             "last": last,
         }
     atomic_write_text(out / "finetune.json", json.dumps(summary, indent=1))

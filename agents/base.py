@@ -51,6 +51,11 @@ class Task:
     workload: str
     instruction: str
     data: dict = field(default_factory=dict)
+    family: str = ""  # the task a replayed conversation works on (its rows' task_id); "": this task itself
+
+    @property
+    def task_id(self) -> str:
+        return self.family or self.id
 
 
 class EpisodeLimit(Exception):
@@ -88,6 +93,9 @@ class TraceRow:
     # episode level, repeated on each of its rows (filled in when the episode ends)
     success: bool | None = None
     termination: str = ""
+    source: str = "live"  # live: an agent harness's own call; replay: a turn of a recorded conversation
+    reference: str | None = None  # replay: the recorded turn (JSON: content, tool_calls)
+    cut: int = 0  # replay: messages cut from the left of the recorded prefix to fit the window
 
 
 @dataclass
@@ -149,8 +157,17 @@ class Episode:
         if time.monotonic() - self.t0 >= self.cfg.wall_s:
             raise EpisodeLimit("wall_time")
 
-    def chat(self, messages: list[dict], tools: list[dict] | None = None):
-        """One model call -> the LiteLLM ModelResponse; records its TraceRow."""
+    def chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        turn: int | None = None,
+        reference: str | None = None,
+        cut: int = 0,
+        source: str = "live",
+    ):
+        """One model call -> the LiteLLM ModelResponse; records its TraceRow (`turn`: its index in the episode,
+        by default the call's number; `reference`, `cut`, `source`: a replayed turn's)."""
         import litellm
 
         self.check_limits()
@@ -169,7 +186,7 @@ class Episode:
             timeout=max(1.0, min(self.cfg.request_timeout_s, left)),
             num_retries=0,
             extra_body={
-                "metadata": {"workload": self.task.workload, "episode_id": self.id, "task_id": self.task.id},
+                "metadata": {"workload": self.task.workload, "episode_id": self.id, "task_id": self.task.task_id},
                 "return_token_ids": True,
                 "return_spec_tokens_details": True,
             },
@@ -186,10 +203,10 @@ class Episode:
         usage = resp.usage
         row = TraceRow(
             episode_id=self.id,
-            task_id=self.task.id,
+            task_id=self.task.task_id,
             workload=self.task.workload,
             thinking=self.level,
-            turn=len(self.rows),
+            turn=len(self.rows) if turn is None else turn,
             request_id=resp.id,
             messages=json.dumps(messages),
             tools=json.dumps(tools or []),
@@ -211,6 +228,9 @@ class Episode:
             chat_template_sha256=self.info.get("chat_template_sha256"),
             latency_s=latency,
             ts=t0,
+            source=source,
+            reference=reference,
+            cut=cut,
         )
         self.rows.append(row)
         self.generated += row.completion_tokens
@@ -230,7 +250,7 @@ class Episode:
             r.success, r.termination = success, termination
         return EpisodeResult(
             episode_id=self.id,
-            task_id=self.task.id,
+            task_id=self.task.task_id,
             workload=self.task.workload,
             thinking=self.level,
             success=success,

@@ -143,3 +143,20 @@ def quantile(xs: list[float], q: float) -> float | None:
         return None
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def bootstrap_over_groups(groups: list, figures, draws: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """Percentile intervals of `figures(items) -> {name: value}` with whole groups resampled (a task's rows
+    together: rows of one task are not independent) -> {name: [low, high]}. One group: no interval (None)."""
+    import random
+
+    if len(groups) < 2:
+        return {k: None for k in figures([x for g in groups for x in g])}
+    rng = random.Random(seed)
+    samples = [figures([x for g in rng.choices(groups, k=len(groups)) for x in g]) for _ in range(draws)]
+    lo, hi = int((1 - level) / 2 * draws), int((1 + level) / 2 * draws) - 1
+    out = {}
+    for key in samples[0]:
+        vals = sorted(s[key] for s in samples)
+        out[key] = [vals[lo], vals[hi]]
+    return out

@@ -291,9 +291,11 @@ def test_one_loop_iteration_from_store_to_deployed_drafter(server, tmp_path):
             base=str(root / "a" / "dspine"),
             workers=0,
             heldout_fraction=0.34,
+            validation_fraction=0.0,
+            split="episode",  # proxy traffic of a few episodes: too few tasks to split by task
             train=TrainConfig(steps=4, batch_size=2, anchors_per_seq=8, max_len=256, eval_every=100),
         ),
-        evaluate=EvalConfig(limit=0, min_ratio=0.0),
+        evaluate=EvalConfig(limit=0, min_ratio=0.0, min_rows=1, min_tasks=1),
         deploy=DeployConfig(
             endpoint=base, admin_key=KEY, prompts=CHAT_PROMPTS[3:5], live_requests=2, max_tokens=16, live_tolerance=0.1
         ),

@@ -86,6 +86,8 @@ def _cfg(root, **kw) -> FinetuneConfig:
         target=str(root / "target"),
         dtype="float64",
         heldout_fraction=0.0,
+        validation_fraction=0.0,
+        split="episode",
         train=train,
         **kw,
     )
@@ -212,7 +214,8 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
     ft = finetune(cfg, progress=False)
     assert len(ft["groups"]["all"]["heldout_episodes"]) == 2 and ft["groups"]["all"]["train_samples"] == 4
     doc = evaluate_adaptation(
-        EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "adapt.json"), limit=0), progress=False
+        EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "adapt.json"), limit=0, min_rows=1, min_tasks=1),
+        progress=False,
     )
     cell = doc["per_cell"]["tool/low"]
     assert cell["rows"] == 2 and cell["ratio"] == pytest.approx(cell["adapted"] / cell["base"])
@@ -230,7 +233,9 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
     # general benchmarks that fail to run (an unknown one) leave the replay written, the drafter refused meanwhile
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         evaluate_adaptation(
-            EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "cut.json"), limit=1, benchmarks=["nope"]),
+            EvalConfig(
+                finetune=str(tmp_path / "ft"), out=str(tmp_path / "cut.json"), limit=1, benchmarks=["nope"], min_rows=1
+            ),
             progress=False,
         )
     cut = json.loads((tmp_path / "cut.json").read_text())
@@ -244,7 +249,9 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
     )
     (tmp_path / "sw").mkdir()
     (tmp_path / "sw" / "finetune.json").write_text(json.dumps(swapped))
-    bad = evaluate_adaptation(EvalConfig(finetune=str(tmp_path / "sw"), limit=0), progress=False)
+    bad = evaluate_adaptation(
+        EvalConfig(finetune=str(tmp_path / "sw"), limit=0, min_rows=1, min_tasks=1), progress=False
+    )
     assert bad["per_cell"]["tool/low"]["ratio"] == pytest.approx(1 / cell["ratio"])
     assert not bad["gate"]["all"]["accept"] and "tool/low: τ ratio" in bad["gate"]["all"]["reasons"][0]
 

@@ -133,6 +133,7 @@ def evaluate(
             for name in drafters:
                 cell[name] = {
                     **summarize([r[name][1] for r in rows]),
+                    "per_request_tau": [r[name][1].tau for r in rows],  # for intervals over items
                     "tokens": sum(len(r[name][0]) for r in rows),
                     "seconds": sum(r[name][2] for r in rows),
                 }

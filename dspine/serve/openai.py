@@ -68,6 +68,17 @@ def apply_reasoning_effort(model_type: str, messages: list[dict], effort: str) -
     return [{"role": "system", "content": note}] + messages, {}
 
 
+def chat_prompt_ids(tokenizer, model_type: str, req: ChatRequest, effort: str) -> list[int]:
+    """The prompt token ids of a chat request, as this server renders it: tools natively where the chat template
+    has them (else as text), the reasoning effort as the target understands it, the target's chat template. The
+    replay job renders with it too, so its cuts are made on the ids the server will see."""
+    from dspine.target import chat_template_ids
+
+    msgs, kw = template_messages(req, template_has_tools(getattr(tokenizer, "chat_template", None)))
+    msgs, kw2 = apply_reasoning_effort(model_type, msgs, effort)
+    return chat_template_ids(tokenizer, msgs, **kw, **kw2)
+
+
 @dataclass
 class Parsed:
     """A checked request, ready for the engine."""
@@ -179,11 +190,8 @@ class OpenAIShaping:
 
     def _chat_ids(self, req: ChatRequest, effort: str) -> list[int]:
         tgt = self.engine.target
-        native = template_has_tools(getattr(tgt.tokenizer, "chat_template", None))
-        msgs, kw = template_messages(req, native)
-        msgs, kw2 = apply_reasoning_effort(tgt.info.model_type, msgs, effort)
         try:
-            return tgt.chat_ids(msgs, **kw, **kw2)
+            return chat_prompt_ids(tgt.tokenizer, tgt.info.model_type, req, effort)
         except Exception as e:  # a chat template that rejects these messages
             raise BadRequest(f"cannot apply the chat template: {e}", param="messages") from None
 
