@@ -7,9 +7,9 @@ Design choices:
   prompt ids with its recorded completion forced (`Engine.generate(forced=...)`), so base and adapted face the
   very same text and their acceptance differs only by the drafter; τ pools the rounds of a cell
   (AcceptanceStats.merge), the per-slot acceptance beside it; held-out rows are replayed `batch_size` at a time
-  (BatchDecode with forced rows: the same rounds as one at a time). Held-out means the episodes finetune.json
-  names (split by episode, never by turn; or by task); how many held-out tasks the fine-tune also saw (the same
-  task at another level or in another episode) is reported beside the table.
+  (BatchDecode with forced rows: the same rounds as one at a time). Held-out means the test episodes finetune.json
+  names (by task by default, or by episode; never by turn); how many held-out tasks the fine-tune also saw (the
+  same task at another level or in another episode, when split by episode) is reported beside the table.
 - **General skills**: `eval.acceptance.evaluate` on the seven benchmarks at T = 0 for base and every adapted
   drafter; regression = 1 − τ(adapted) / τ(base) on the benchmark mean.
 - **Honest cells**: the rows replayed are the fine-tune's test part (held out by task by default, apart from the
@@ -77,7 +77,7 @@ def gate(
     """{group: {"accept": bool, "reasons": [...]}} from an evaluation document."""
     out = {}
     for g, info in doc["drafters"].items():
-        reasons = []
+        reasons = [] if info["cells"] else ["no test rows: the split left none to judge on"]
         for c in info["cells"]:
             cell = doc["per_cell"][c]
             if cell.get("too_few"):

@@ -142,6 +142,8 @@ def test_cells_with_too_few_rows_are_refused_with_intervals_over_tasks():
     doc = {"per_cell": {"a/low": cell, "b/low": small}, "drafters": {"all": {"cells": ["a/low", "b/low"]}}}
     verdict = gate(doc)["all"]
     assert not verdict["accept"] and verdict["reasons"] == ["b/low: too few (4 rows, 3 tasks)"]
+    nothing = gate({"per_cell": {}, "drafters": {"x": {"cells": []}}})["x"]  # a split that left no test rows
+    assert nothing == {"accept": False, "reasons": ["no test rows: the split left none to judge on"]}
     doc["per_cell"]["b/low"] = {**small, "too_few": False}
     assert gate(doc)["all"]["accept"]
     doc["general"] = {"regression": {"all": 0.01}, "regression_ci": {"all": [-0.01, 0.04]}}
