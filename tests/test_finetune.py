@@ -234,7 +234,12 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         evaluate_adaptation(
             EvalConfig(
-                finetune=str(tmp_path / "ft"), out=str(tmp_path / "cut.json"), limit=1, benchmarks=["nope"], min_rows=1
+                finetune=str(tmp_path / "ft"),
+                out=str(tmp_path / "cut.json"),
+                limit=1,
+                benchmarks=["nope"],
+                min_rows=1,
+                min_tasks=1,
             ),
             progress=False,
         )
