@@ -58,14 +58,26 @@ GENERIC = {
     "messages": [
         {"role": "system", "content": "You are a support agent."},
         {"role": "user", "content": "I want a refund for order 42."},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-            "name": "get_order", "arguments": {"order_id": "42"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_order", "arguments": {"order_id": "42"}}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": '{"status": "delivered", "total": 18.5}'},
         {"role": "assistant", "content": "Your order 42 was delivered; I can refund 18.50 to your card."},
     ],
-    "tools": [{"type": "function", "function": {"name": "get_order", "parameters": {"type": "object", "properties": {
-        "order_id": {"type": "string"}}}}}],
-}  # fmt: skip
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_order",
+                "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+            },
+        }
+    ],
+}
 
 
 def test_bad_conversations_are_refused_with_their_reason(tmp_path):
@@ -183,9 +195,24 @@ def test_replay_job_rows_are_the_servers_rendering_of_the_exact_prefix(endpoint,
     (tmp_path / "tau.json").write_text(json.dumps(short))
     _generic(tmp_path / "logs.jsonl", [GENERIC])
     out = tmp_path / "rows"
-    args = ["--conversations", f"{tmp_path / 'tau.json'},{tmp_path / 'logs.jsonl'}", "--endpoint", endpoint,
-            "--levels", "none", "--max-tokens", "8", "--max-context", "2900", "--executor", "local",
-            "--concurrency", "2", "--out", str(out)]  # fmt: skip
+    args = [
+        "--conversations",
+        f"{tmp_path / 'tau.json'},{tmp_path / 'logs.jsonl'}",
+        "--endpoint",
+        endpoint,
+        "--levels",
+        "none",
+        "--max-tokens",
+        "8",
+        "--max-context",
+        "2900",
+        "--executor",
+        "local",
+        "--concurrency",
+        "2",
+        "--out",
+        str(out),
+    ]
     r = collect(args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     acc = json.loads((out / "accounts.json").read_text())

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from dspine.sampling import SamplingParams
 from dspine.serve.protocol import (
+    THINK_CLOSE,
+    THINK_OPEN,
     AssistantMessage,
     ChatChoice,
     ChatRequest,
@@ -28,6 +30,7 @@ from dspine.serve.protocol import (
     logprobs_doc,
     parse_request,
     parse_tool_calls,
+    split_reasoning,
     streamable_prefix,
     template_has_tools,
     template_messages,
@@ -93,6 +96,7 @@ class Parsed:
     token_ids: bool
     tool_names: set[str] | None  # the offered functions; None: no tools, the reply is plain content
     one_call: bool = False  # parallel_tool_calls false: at most one tool call per reply
+    reasoning: bool = False  # a thinking target asked to think: its <think> block goes out as reasoning_content
     n: int = 1  # choices
     timeout_s: float | None = None  # decoding longer than this aborts the request
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
@@ -184,6 +188,9 @@ class OpenAIShaping:
             token_ids=req.return_token_ids,
             tool_names={t.function.name for t in tools} if tools else None,
             one_call=chat and req.parallel_tool_calls is False,
+            reasoning=chat
+            and effort != "none"
+            and thinking_mode(self.engine.target.info.model_type)["mode"] == "enable_thinking",
             n=req.n,
             timeout_s=min((t for t in (req.timeout, self.cfg.request_timeout_s) if t), default=None),
         )
@@ -220,21 +227,28 @@ class OpenAIShaping:
             out["logprobs"] = logprobs_doc(list(zip(res.token_ids, res.logprobs)), decode, chat)
         return out
 
-    def reply(self, req: Parsed, text: str, finish_reason: str) -> tuple[str | None, list[dict], str]:
-        """(content, tool_calls, finish_reason) of a finished generation."""
+    def reply(self, req: Parsed, text: str, finish_reason: str) -> tuple[str | None, list[dict], str, str | None]:
+        """(content, tool_calls, finish_reason, reasoning) of a finished generation: a thinking reply's <think>
+        block apart, then tool calls parsed from what follows it."""
+        reasoning, text = split_reasoning(text) if req.reasoning else (None, text)
         if req.tool_names is None:
-            return text, [], finish_reason
+            return text, [], finish_reason, reasoning
         content, calls = parse_tool_calls(text, req.tool_names)
-        return (content, calls[:1] if req.one_call else calls, "tool_calls") if calls else (text, [], finish_reason)
+        if calls:
+            return content, calls[:1] if req.one_call else calls, "tool_calls", reasoning
+        return text, [], finish_reason, reasoning
 
     def response(self, req: Parsed, rec: RequestRecord, results: list, chat: bool) -> dict:
         choices = []
         for i, res in enumerate(results):
             extra = self.choice_extras(req, res, chat)
             if chat:
-                content, calls, finish = self.reply(req, res.text, res.finish_reason)
+                content, calls, finish, reasoning = self.reply(req, res.text, res.finish_reason)
                 message = AssistantMessage(
-                    role="assistant", content=content, **({"tool_calls": calls} if calls else {})
+                    role="assistant",
+                    content=content,
+                    **({"tool_calls": calls} if calls else {}),
+                    **({"reasoning_content": reasoning} if reasoning is not None else {}),
                 )
                 choices.append(ChatChoice(index=i, message=message, finish_reason=finish, **extra))
             else:
@@ -269,6 +283,7 @@ class Stream:
         self.hold = max((len(s) for s in req.params.stop), default=1) - 1
         self.tokens: list[int] = []
         self.sent = ""
+        self.thought = ""  # reasoning sent (a thinking reply's <think> block goes out as reasoning_content)
         self.created = int(time.time())
 
     def chunk(
@@ -301,9 +316,33 @@ class Stream:
     def content(self, text: str) -> str:
         return self.chunk({"role": "assistant", "content": text}, text)
 
+    def reasoning(self, text: str) -> tuple[str | None, str | None]:
+        """A thinking reply so far -> (a reasoning_content delta or None, the content so far, or None while the
+        <think> block is still open)."""
+        head = text.lstrip("\n")
+        if not (head.startswith(THINK_OPEN) or THINK_OPEN.startswith(head)):
+            return None, text  # no block: all content
+        if THINK_CLOSE in head:
+            reasoning, rest = split_reasoning(text)
+            delta = reasoning[len(self.thought) :] if reasoning and len(reasoning) > len(self.thought) else None
+            self.thought = reasoning or self.thought
+            return delta, rest
+        inner = head[len(THINK_OPEN) :].lstrip("\n") if head.startswith(THINK_OPEN) else ""
+        safe = inner[: max(0, len(inner) - len(THINK_CLOSE) + 1)].rstrip("\n")  # a closing tag may be forming
+        if len(safe) <= len(self.thought) or safe.endswith("\ufffd"):
+            return None, None
+        delta, self.thought = safe[len(self.thought) :], safe
+        return delta, None
+
     def progress(self) -> str | None:
         """The chunk for the text decoded so far that is safe to send, if any."""
         text = self.service.engine.target.decode(self.tokens)
+        if self.req.reasoning:
+            delta, text = self.reasoning(text)
+            if delta:
+                return self.chunk({"role": "assistant", "reasoning_content": delta})
+            if text is None:
+                return None
         safe = text[: len(text) - self.hold] if self.hold else text
         if safe.endswith("\ufffd"):
             return None  # an incomplete UTF-8 sequence: wait for the next token
@@ -317,8 +356,10 @@ class Stream:
     def finish(self, res, rec: RequestRecord | None) -> list[str]:
         """The choice's last chunks; with the request's record (the last choice), usage and extras ride along."""
         # completions never carry tools, so their text comes back whole
-        content, calls, finish = self.service.reply(self.req, res.text, res.finish_reason)
+        content, calls, finish, reasoning = self.service.reply(self.req, res.text, res.finish_reason)
         out = []
+        if reasoning and len(reasoning) > len(self.thought) and reasoning.startswith(self.thought):
+            out.append(self.chunk({"role": "assistant", "reasoning_content": reasoning[len(self.thought) :]}))
         rest = content or ""
         if len(rest) > len(self.sent) and rest.startswith(self.sent):
             out.append(self.content(rest[len(self.sent) :]))

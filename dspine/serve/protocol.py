@@ -226,6 +226,7 @@ class AssistantMessage(_Model):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a thinking target's reasoning (its <think> block), apart from content
 
 
 class ChatChoice(_Model):
@@ -247,6 +248,7 @@ class TextChoice(_Model):
 class Delta(_Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # each with its "index", as OpenAI streams them
 
 
@@ -486,6 +488,22 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | No
     stripped = text.strip()
     call = _one_call(stripped, names) if names is not None and stripped.startswith("{") else None
     return (None, [call]) if call is not None else (text, [])
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """A thinking target's reply -> (reasoning, the rest): the <think> block apart from what follows it (Qwen3's
+    own chat template splits a turn the same way). A reply cut inside its block is all reasoning; a reply without
+    one has none."""
+    head = text.lstrip("\n")
+    if THINK_CLOSE in head:
+        reasoning, rest = head.split(THINK_CLOSE, 1)
+        return reasoning.removeprefix(THINK_OPEN).strip("\n"), rest.lstrip("\n")
+    if head.startswith(THINK_OPEN):
+        return head[len(THINK_OPEN) :].strip("\n"), ""
+    return None, text
 
 
 def streamable_prefix(text: str) -> str:
