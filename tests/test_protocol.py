@@ -153,7 +153,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(tiny):
             tool_names=NAMES,
             one_call=one,
         )
-        _, calls, finish = service.reply(req, text, "stop")
+        _, calls, finish, _ = service.reply(req, text, "stop")
         assert len(calls) == want and finish == "tool_calls" and '"a": 1' in calls[0]["function"]["arguments"]
     body = {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": False}
     assert parse_request(body, True).parallel_tool_calls is False
