@@ -71,6 +71,12 @@ def parse(argv=None) -> tuple:
         help="replay: the window a prefix plus --max-tokens must fit (default: the endpoint's max_model_len)",
     )
     p.add_argument(
+        "--max-conversations",
+        type=int,
+        default=0,
+        help="replay: at most this many conversations per workload, one per task before a second of any (0: all)",
+    )
+    p.add_argument(
         "--skip-oversize",
         action="store_true",
         help="replay: skip (and count) turns that do not fit "
@@ -129,6 +135,7 @@ def parse(argv=None) -> tuple:
         tokenizer=a.tokenizer,
         max_context=a.max_context,
         skip_oversize=a.skip_oversize,
+        max_conversations=a.max_conversations,
     )
     return cfg, a.dry_run
 

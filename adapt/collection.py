@@ -29,7 +29,6 @@ from dspine.agents.traces import Store, shard
 from dspine.io import md_table
 
 WORKLOADS = ("swe", "tool", "office")
-REPLAY_WORKLOADS = ("tool_replay", "swe_replay")  # what the shipped conversations hold; user files may add others
 SOURCES = ("live", "replay")
 # a different value of any of these makes a different collection (the endpoint may move)
 IDENTITY = (
@@ -45,6 +44,7 @@ IDENTITY = (
     "temperature",
     "conversations_sha256",
     "max_context",
+    "max_conversations",
 )
 
 
@@ -81,6 +81,7 @@ class CollectConfig:
     tokenizer: str = ""  # the target whose rendering decides the cuts (default: the endpoint's `target`)
     max_context: int = 0  # the window a prefix + max_tokens must fit (default: the endpoint's max_model_len)
     skip_oversize: bool = False  # a turn that cannot fit even cut: skipped and counted (default: refused)
+    max_conversations: int = 0  # replay: at most this many conversations per workload, one task after another
     conversations_sha256: str = ""  # filled in by check(): what the conversation files hold
 
     def identity(self) -> dict:
@@ -162,9 +163,22 @@ def plan(cfg: CollectConfig, turns: dict | None = None) -> list[dict]:
 
 
 def _replay_conversations(cfg: CollectConfig) -> list:
+    """The conversations to replay: of the asked workloads; with max_conversations, that many per workload taken
+    round-robin over its tasks (one conversation of each task before a second of any), in file order."""
     from dspine.agents.replay import read_all
 
-    return [c for c in read_all(cfg.conversations, cfg.format) if not cfg.workloads or c.workload in cfg.workloads]
+    convs = [c for c in read_all(cfg.conversations, cfg.format) if not cfg.workloads or c.workload in cfg.workloads]
+    if not cfg.max_conversations:
+        return convs
+    out = []
+    for w in dict.fromkeys(c.workload for c in convs):
+        by_task: dict[str, list] = {}
+        for c in convs:
+            if c.workload == w:
+                by_task.setdefault(c.task_id, []).append(c)
+        rounds = [cs[k] for k in range(max(map(len, by_task.values()))) for cs in by_task.values() if k < len(cs)]
+        out += rounds[: cfg.max_conversations]
+    return out
 
 
 def check_replay(cfg: CollectConfig, info: dict) -> tuple[dict, dict]:
@@ -237,6 +251,8 @@ def check(cfg: CollectConfig) -> dict:
             continue  # replay: 0 replays every turn
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             raise CollectError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
+    if cfg.max_conversations < 0:
+        raise CollectError(f"--max-conversations must be 0 (all) or more, got {cfg.max_conversations}")
     if cfg.retries < 0:
         raise CollectError(f"--retries must be 0 or more, got {cfg.retries}")
     try:

@@ -1,10 +1,12 @@
 """`make demo`: the main job, end to end on this machine (CPU) — a local Ray head, `dspine serve` with the
-shipped drafter, the LiteLLM proxy in front of it; agent episodes at two thinking levels collected through the
-proxy as a Ray job; then one turn of the closed loop (adapt/cycle.py): the proxy's records -> traces ->
+shipped drafter, the LiteLLM proxy in front of it; agent traffic through the proxy as a Ray job — by default
+real agent conversations replayed (a small fixed set of the shipped tau-bench airline and SWE conversations,
+`--traffic replay`), or the live agent harness at two thinking levels (`--traffic live`); then one turn of
+the closed loop (adapt/cycle.py): the proxy's records -> traces ->
 fine-tune under Ray Train -> held-out replay per workload × level + general benchmarks -> gate -> swap into the
 running server with a live check; a few requests through the proxy on the new drafter; the table.
 
-    python adapt/demo.py [--work runs/demo] [--episodes 3] [--steps 12] [--keep]
+    python adapt/demo.py [--work runs/demo] [--traffic replay|live] [--steps 12] [--keep]
 
 Sizes are small enough for a 2-core machine; every stage says what it does and how long it took. --keep
 leaves the server, proxy and Ray head running (the dashboard: `dspine dashboard --db WORK/proxy.db --loop WORK/loop`).
@@ -55,9 +57,21 @@ def table(it: dict, doc: dict) -> str:
     from dspine.io import md_table
 
     rows = [
-        [c, f"{v['base']:.3f}", f"{v['adapted']:.3f}", f"{v['ratio']:.3f}"] for c, v in sorted(it["per_cell"].items())
+        [
+            c,
+            v.get("rows", "?"),
+            v.get("tasks", "?"),
+            v.get("tokens", "?"),
+            f"{v['base']:.3f}",
+            f"{v['adapted']:.3f}",
+            f"{v['ratio']:.3f}" + (" ¹" if v.get("same_prompts_as") else ""),
+        ]
+        for c, v in sorted(doc["per_cell"].items())
     ]
-    out = md_table(["workload/level", "τ base", "τ adapted", "ratio"], rows)
+    head = ["workload/level", "test rows", "tasks", "tokens", "τ base", "τ adapted", "ratio"]
+    out = md_table(head, rows) + f"\n\n(split by {doc.get('split') or 'episode'}; a demonstration on a few rows)"
+    if any(v.get("same_prompts_as") for v in doc["per_cell"].values()):
+        out += "\n¹ levels on this target are a system note: the same conversations, not separate measurements"
     g = doc.get("general") or {}
     if g:
         out += "\n\ngeneral benchmarks (" + ", ".join(g["benchmarks"]) + f", T = 0): τ base {g['tau_mean']['base']:.3f}"
@@ -80,12 +94,21 @@ def main(argv=None) -> int:
         prog="adapt/demo.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--work", default="runs/demo")
-    ap.add_argument("--workload", default="tool", help="agent workload collected (tool, office, swe)")
-    ap.add_argument("--levels", default="low,high")
-    ap.add_argument("--episodes", type=int, default=3, help="per level (one of each level's is held out)")
+    ap.add_argument(
+        "--traffic",
+        choices=("replay", "live"),
+        default="replay",
+        help="replay: recorded agent conversations replayed through the proxy; live: the agent harness runs",
+    )
+    ap.add_argument("--conversations", type=int, default=4, help="replay: conversations per workload (one per task)")
+    ap.add_argument("--workload", default="tool", help="live: agent workload collected (tool, office, swe)")
+    ap.add_argument("--levels", default=None, help="thinking levels (default: none for replay, low,high for live)")
+    ap.add_argument("--episodes", type=int, default=3, help="live: per level (one of each level's is held out)")
     ap.add_argument("--steps", type=int, default=12, help="fine-tuning steps")
     ap.add_argument("--keep", action="store_true", help="leave the server, proxy and Ray head running")
     a = ap.parse_args(argv)
+    replay = a.traffic == "replay"
+    a.levels = a.levels or ("none" if replay else "low,high")
 
     from dspine.adapt.cluster import LocalRayHead, ray_env
     from dspine.adapt.cycle import LoopConfig, run_iteration
@@ -128,7 +151,31 @@ def main(argv=None) -> int:
         )
         proxy = start_proxy(cfg, key=master, log=open(work / "proxy.log", "wb"))
         purl = f"http://127.0.0.1:{cfg.port}"
-        stage(f"collect {a.episodes} {a.workload} episodes per level ({a.levels}) through the proxy: a Ray job")
+        if replay:
+            from dspine.agents.replay import shipped
+
+            convs = f"{shipped() / 'tau_bench_airline_gpt4o'},{shipped() / 'swe_adp_samples'}"
+            stage(
+                f"replay {a.conversations} tau-bench airline and {a.conversations} SWE conversations (2 turns each, "
+                f"levels {a.levels}) through the proxy: a Ray job"
+            )
+            what = [
+                "--source",
+                "replay",
+                "--conversations",
+                convs,
+                "--max-conversations",
+                str(a.conversations),
+                "--max-turns",
+                "2",
+                "--max-tokens",
+                "48",
+                "--max-context",
+                "7000",
+            ]
+        else:
+            stage(f"collect {a.episodes} {a.workload} episodes per level ({a.levels}) through the proxy: a Ray job")
+            what = ["--workloads", a.workload, "--episodes", str(a.episodes), "--max-turns", "1", "--max-tokens", "64"]
         cmd = [
             "ray",
             "job",
@@ -148,18 +195,11 @@ def main(argv=None) -> int:
             "smol",
             "--out",
             str(work / "collected"),
-            "--workloads",
-            a.workload,
             "--levels",
             a.levels,
-            "--episodes",
-            str(a.episodes),
-            "--max-turns",
-            "1",
-            "--max-tokens",
-            "64",
             "--concurrency",
             "2",
+            *what,
         ]
         job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         (work / "collect.log").write_text(job.stdout + job.stderr)
@@ -167,7 +207,9 @@ def main(argv=None) -> int:
             print(job.stdout[-2000:], job.stderr[-2000:], file=sys.stderr)
             return 1
         for _ in range(120):  # the proxy writes its records after answering
-            if len(AcceptanceStore(cfg.db).traces()) >= a.episodes * len(a.levels.split(",")):
+            acc = json.loads((work / "collected" / "accounts.json").read_text())
+            want = acc["replay"]["turns_planned"] if replay else a.episodes * len(a.levels.split(","))
+            if len(AcceptanceStore(cfg.db).traces()) >= want:
                 break
             time.sleep(0.5)
         stage(f"adapt: records -> traces -> fine-tune ({a.steps} steps, Ray Train) -> held-out replay + gate -> deploy")
@@ -178,9 +220,10 @@ def main(argv=None) -> int:
             finetune=FinetuneConfig(
                 base="builtin",
                 workers=1,
-                heldout_fraction=0.34,
-                validation_fraction=0.0,
-                split="episode",  # a handful of CPU episodes: too few tasks to split by task (the table says so)
+                heldout_fraction=0.25 if replay else 0.34,
+                validation_fraction=0.25 if replay else 0.0,
+                # replay: by task (a task's turns on one side); a few live CPU episodes are too few tasks for that
+                split="task" if replay else "episode",
                 train=TrainConfig(
                     steps=a.steps,
                     batch_size=2,
@@ -201,7 +244,8 @@ def main(argv=None) -> int:
             return 1
         doc = json.loads((work / "loop" / "iter-000" / "adapt.json").read_text())
         stage("requests through the proxy on the deployed drafter")
-        ids = [proxy_chat(purl, master, a.workload, lv, "Name three prime numbers.") for lv in a.levels.split(",")]
+        w = "tool_replay" if replay else a.workload
+        ids = [proxy_chat(purl, master, w, lv, "Name three prime numbers.") for lv in a.levels.split(",")]
         time.sleep(1.0)
         served = {r["request_id"]: r["drafter"] for r in AcceptanceStore(cfg.db).rows()}
         stage("result")

@@ -67,6 +67,13 @@ BAD = [
     case("negative top_k", {**CHAT, "top_k": -1}, needle="top_k"),
     case("empty stop string", {**CHAT, "stop": ["ok", ""]}, needle="stop"),
     case("seed as a fraction", {**CHAT, "seed": 1.5}, needle="seed"),
+    case("seed past 64 bits", {**CHAT, "seed": 2**64}, needle="seed"),
+    case("seed below -2**63", {**CHAT, "seed": -(2**63) - 1}, needle="seed"),
+    case(
+        "a 5000-digit integer",
+        raw=b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
+        needle="cannot be read",
+    ),
     case("n = 0", {**CHAT, "n": 0}, needle="'n'"),
     case("n above the limit", {**CHAT, "n": 17}, needle="'n'"),
     case("n as text", {**CHAT, "n": "2"}, needle="'n'"),

@@ -53,3 +53,58 @@ def test_grafana_dashboard_queries_exported_metrics():
                 "model",
                 "drafter",
             }
+
+
+def test_recorded_labels_are_inert_and_cut_in_the_real_dashboard(tmp_path):
+    """A workload label with markup (a stored-XSS attempt) renders as text in headless Chromium: no script runs and
+    no element is made from it; a 10,000-character label is cut, not spread across the page."""
+    import shutil
+    import subprocess
+    import sys
+
+    from dspine.process import free_port, wait_http
+    from dspine.serve.store import AcceptanceStore
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Debian's chromium is needed (.ci/run installs it)"
+    db = str(tmp_path / "records.db")
+    payload = "<img src=x onerror=\"document.body.setAttribute('data-pwned','1')\">"
+    long = "w" * 10_000
+    st = AcceptanceStore(db)
+    for k, (workload, thinking) in enumerate([(payload, "low"), (long, "<b>high</b>"), ("tool", "low")]):
+        st.append(
+            RequestRecord(f"r{k}", "m", workload, thinking, drafter="d<script>x()</script>", accept_hist=[2, 1, 1, 0])
+        )
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dspine.cli", "dashboard", "--db", db, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_http(url, proc, 60)
+        flags = [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-sync",
+            "--disable-background-networking",
+            f"--user-data-dir={tmp_path / 'chromium'}",
+            "--virtual-time-budget=6000",
+            "--dump-dom",
+            url,
+        ]
+        dom = subprocess.run(flags, capture_output=True, text=True, timeout=120).stdout
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert 'data-rendered="1"' in dom, dom[:2000]
+    assert "data-pwned" not in dom  # the handler never ran
+    bare = re.sub(r'="[^"]*"', "", dom)  # the markup without attribute values (data-* attributes keep the labels)
+    assert '<img src="x"' not in dom and "<b>high</b>" not in bare and "<script>x()" not in bare  # no element made
+    text = re.sub(r"<[^>]*>", " ", bare)  # what the page shows
+    assert "&lt;img src=x onerror=" in text and "&lt;b&gt;high&lt;/b&gt;" in text and "d&lt;script&gt;" in text
+    assert long not in text and "w" * 47 + "…" in text  # cut in the table and legends

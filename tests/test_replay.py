@@ -254,3 +254,23 @@ def test_replay_job_rows_are_the_servers_rendering_of_the_exact_prefix(endpoint,
     assert bad.returncode == 2 and "cannot write the output directory" in bad.stderr
     bad = collect([*args[:-1], str(tmp_path / "x"), "--format", "nebius"])
     assert bad.returncode == 2 and "missing field" in bad.stderr
+    # `dspine traces import`: a user's logs in the generic format, the same rows
+    cli = [sys.executable, "-m", "dspine.cli", "traces", "import", "--endpoint", endpoint, "--max-tokens", "8"]
+    r = subprocess.run(
+        [*cli, "--conversations", str(tmp_path / "logs.jsonl"), "--out", str(tmp_path / "imp")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    imported = load_traces(str(tmp_path / "imp")).to_pylist()
+    assert sorted(x["turn"] for x in imported) == [2, 4] and {x["workload"] for x in imported} == {"support"}
+    mine = sorted((x["turn"], x["prompt_token_ids"]) for x in rows if x["workload"] == "support")
+    assert sorted((x["turn"], x["prompt_token_ids"]) for x in imported) == mine
+    r = subprocess.run(
+        [*cli, "--conversations", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "imp2")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "no such file" in r.stderr

@@ -448,3 +448,35 @@ def test_served_reply_equals_dspine_generate_up_to_the_context_window(tmp_path, 
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_bad_seed_and_an_oversized_body_hurt_no_one_else(server):
+    """A seed past 64 bits sent beside three good requests: 400 naming it, 200 for the others (refused before it
+    joins a batch). A body whose Content-Length is over the limit: 413 before it is read, /health answering."""
+    import socket
+    import threading
+    import time
+
+    good = {"model": "smol", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6, "seed": 7}
+    results: dict = {}
+    bodies = {"bad": {**good, "seed": 2**64}, **{f"ok{k}": {**good, "seed": k} for k in range(3)}}
+    threads = [
+        threading.Thread(target=lambda n=n, b=b: results.__setitem__(n, post(server, "/v1/chat/completions", b)))
+        for n, b in bodies.items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results["bad"][0] == 400 and json.loads(results["bad"][1])["error"]["param"] == "seed"
+    assert all(results[f"ok{k}"][0] == 200 for k in range(3)), results
+    host, port = server.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as s:  # 50 MB announced, nothing sent
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 50000000\r\n\r\n"
+        )
+        head = s.recv(4096).decode(errors="replace")
+    assert head.startswith("HTTP/1.1 413") and "max-body-bytes" in head and time.monotonic() - t0 < 1.0
+    assert json.loads(get(server, "/health"))

@@ -33,10 +33,13 @@ class ServeConfig:
         "`timeout` field may ask for less (none: no limit)",
         flag="--request-timeout",
     )
+    max_body_bytes: int = option(
+        32 * 2**20, "refuse a request body larger than this (413), from its Content-Length before reading it"
+    )
     draft_dtype: str | None = None  # drafters swapped in decode in it (checkpoint.draft_dtype; None: the target's)
 
     def __post_init__(self):
-        if self.max_batch < 1 or self.max_queue < 1:
-            raise ValueError("--max-batch and --max-queue must be >= 1")
+        if self.max_batch < 1 or self.max_queue < 1 or self.max_body_bytes < 1:
+            raise ValueError("--max-batch, --max-queue and --max-body-bytes must be >= 1")
         if self.grace_s < 0 or (self.request_timeout_s is not None and self.request_timeout_s <= 0):
             raise ValueError("--grace-seconds must be >= 0 and --request-timeout > 0")

@@ -146,7 +146,7 @@ class _Request(_Model):
     top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[Int, Field(ge=0)] | None = None
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
-    seed: Annotated[int, Field(strict=True)] | None = None
+    seed: Annotated[int, Field(strict=True, ge=-(2**63), le=2**64 - 1)] | None = None  # what a torch generator takes
     stream: Bool = False
     metadata: dict[str, Any] | None = None
     reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]
@@ -301,6 +301,8 @@ def read_json(raw: bytes, content_type: str = "application/json") -> Any:
         raise RequestInvalid("the request body is nested too deeply", None) from None
     except UnicodeEncodeError:
         raise RequestInvalid("the request body holds invalid Unicode (a lone surrogate)", None) from None
+    except ValueError as e:  # an integer past the interpreter's digit limit, and any other unreadable value
+        raise RequestInvalid(f"the request body cannot be read: {e}", None) from None
     return body
 
 

@@ -153,7 +153,8 @@ async def complete(request, service: Service, chat: bool):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     try:
-        req = service.parse(read_json(await request.body(), request.headers.get("content-type", "").lower()), chat)
+        raw = await read_body(request, service.cfg.max_body_bytes)
+        req = service.parse(read_json(raw, request.headers.get("content-type", "").lower()), chat)
         service.admit()
     except BadRequest as e:
         return error_response(service, e)
@@ -169,6 +170,21 @@ async def complete(request, service: Service, chat: bool):
     finally:
         service.release()
     return JSONResponse(service.response(req, rec, results, chat), headers={"x-dspine-request-id": rec.request_id})
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to be over `limit` bytes: from its Content-Length
+    before anything is read, else while it streams in."""
+    size = request.headers.get("content-length", "")
+    too_big = BadRequest(f"the request body is over {limit} bytes (--max-body-bytes)", status=413)
+    if size.isdigit() and int(size) > limit:
+        raise too_big
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise too_big
+    return bytes(raw)
 
 
 def probe(h: dict, key: str):
