@@ -172,6 +172,8 @@ def main(argv=None) -> int:
                 "48",
                 "--max-context",
                 "7000",
+                "--tokenizer",  # the proxy's /v1/models does not name the target: its rendering decides the cuts
+                "smollm2-135m-instruct",
             ]
         else:
             stage(f"collect {a.episodes} {a.workload} episodes per level ({a.levels}) through the proxy: a Ray job")
