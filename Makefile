@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	# the main job: Ray head, dspine serve (shipped drafter), LiteLLM proxy; agent episodes at two thinking
-	# levels through the proxy; fine-tune (Ray Train) -> held-out replay -> gate -> deploy; the table
+	# the main job: Ray head, dspine serve (shipped drafter), LiteLLM proxy; recorded agent conversations
+	# replayed through the proxy; fine-tune (Ray Train) -> replay of held-out tasks -> gate -> deploy; the table
 	$(PY) adapt/demo.py --work $(DEMO)
 
 demo-engine: $(STAMP)

@@ -6,7 +6,7 @@ the closed loop (adapt/cycle.py): the proxy's records -> traces ->
 fine-tune under Ray Train -> held-out replay per workload × level + general benchmarks -> gate -> swap into the
 running server with a live check; a few requests through the proxy on the new drafter; the table.
 
-    python adapt/demo.py [--work runs/demo] [--traffic replay|live] [--steps 12] [--keep]
+    python adapt/demo.py [--work runs/demo] [--traffic replay|live] [--steps 40] [--keep]
 
 Sizes are small enough for a 2-core machine; every stage says what it does and how long it took. --keep
 leaves the server, proxy and Ray head running (the dashboard: `dspine dashboard --db WORK/proxy.db --loop WORK/loop`).
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="tool", help="live: agent workload collected (tool, office, swe)")
     ap.add_argument("--levels", default=None, help="thinking levels (default: none for replay, low,high for live)")
     ap.add_argument("--episodes", type=int, default=3, help="live: per level (one of each level's is held out)")
-    ap.add_argument("--steps", type=int, default=12, help="fine-tuning steps")
+    ap.add_argument("--steps", type=int, default=40, help="fine-tuning steps")
     ap.add_argument("--keep", action="store_true", help="leave the server, proxy and Ray head running")
     a = ap.parse_args(argv)
     replay = a.traffic == "replay"
