@@ -243,15 +243,13 @@ class Renderer:
     """The target's rendering of a chat request, as `dspine serve` does it (tokenizer only, no weights)."""
 
     def __init__(self, target: str):
-        import json as _json
-
         from transformers import AutoTokenizer
 
         from dspine.target import resolve_target_path
 
         path = resolve_target_path(target)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        self.model_type = _json.loads((path / "config.json").read_text()).get("model_type", "")
+        self.model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
         self.name = target
 
     def ids(self, messages: list[dict], tools: list[dict], level: str) -> list[int]:
@@ -279,7 +277,7 @@ def plan_turns(conv: Conversation, renderer: Renderer, level: str, budget: int, 
         msgs = conv.messages[:i]
         head = 1 if msgs and msgs[0]["role"] == "system" else 0
         starts = [0] + [k for k in range(1, i - head) if msgs[head + k]["role"] != "tool"]
-        n = None
+        best = None  # (cut, tokens) of the smallest cut found to fit
 
         def length(k: int) -> int:
             return len(renderer.ids(msgs[:head] + msgs[head + k :], conv.tools, level))
@@ -293,13 +291,13 @@ def plan_turns(conv: Conversation, renderer: Renderer, level: str, budget: int, 
             mid = (lo + hi) // 2
             size = length(starts[mid])
             if size <= budget:
-                n, hi = (starts[mid], size), mid - 1
+                best, hi = (starts[mid], size), mid - 1
             else:
                 lo = mid + 1
-        if n is None:
+        if best is None:
             oversize.append(i)
         else:
-            turns.append((i, n[0], n[1]))
+            turns.append((i, *best))
     return Plan(turns, oversize)
 
 
