@@ -122,11 +122,11 @@ def harness(name: str, cfg: CollectConfig | None = None):
     raise CollectError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
 
 
-def plan(cfg: CollectConfig, turns: dict | None = None) -> list[dict]:
+def plan(cfg: CollectConfig, turns: dict | None = None, convs: list | None = None) -> list[dict]:
     """Every episode, in rounds: episode i of each workload × level cell before episode i + 1 of any, so a
     collection stopped early (or still running) holds every cell in equal measure. Replay: one episode per
-    conversation × level, carrying its planned turns (`turns`: {(conversation, level): [(turn, cut, tokens)]},
-    from check_replay)."""
+    conversation × level, carrying its planned turns (`turns`: {(conversation, level): [(turn, cut, tokens)]}, and
+    `convs` the conversations, both from check_replay)."""
     if cfg.source == "replay":
         return [
             {
@@ -138,7 +138,7 @@ def plan(cfg: CollectConfig, turns: dict | None = None) -> list[dict]:
                 "rep": 0,
                 "turns": turns[(c.id, level)],
             }
-            for c in _replay_conversations(cfg)
+            for c in convs
             for level in cfg.levels
             if turns[(c.id, level)]
         ]
@@ -181,10 +181,10 @@ def _replay_conversations(cfg: CollectConfig) -> list:
     return out
 
 
-def check_replay(cfg: CollectConfig, info: dict) -> tuple[dict, dict]:
+def check_replay(cfg: CollectConfig, info: dict) -> tuple[dict, dict, list]:
     """Reads the conversations and plans every turn's cut with the target's rendering -> ({(conversation, level):
-    turns}, {"oversize": [...], "turns": n}). Raises CollectError on bad input (an unreadable or unknown format, a
-    conversation without assistant turns, a turn that cannot fit unless skip_oversize)."""
+    turns}, {"oversize": [...], "turns": n}, the conversations). Raises CollectError on bad input (an unreadable
+    or unknown format, a conversation without assistant turns, a turn that cannot fit unless skip_oversize)."""
     import hashlib
 
     from dspine.agents.replay import Renderer, ReplayError, collect_files, plan_turns
@@ -231,7 +231,7 @@ def check_replay(cfg: CollectConfig, info: dict) -> tuple[dict, dict]:
     n = sum(map(len, plans.values()))
     if not n:
         raise CollectError("no turn to replay")
-    return plans, {"oversize": oversize, "turns": n}
+    return plans, {"oversize": oversize, "turns": n}, convs
 
 
 def check(cfg: CollectConfig) -> dict:
@@ -318,9 +318,9 @@ def collect(cfg: CollectConfig, dry_run: bool = False, progress: bool = True) ->
     info = check(cfg)
     extra: dict = {}
     if cfg.source == "replay":
-        turns, extra = check_replay(cfg, info)
+        turns, extra, convs = check_replay(cfg, info)
         _check_identity(cfg)
-        todo = plan(cfg, turns)
+        todo = plan(cfg, turns, convs)
     else:
         todo = plan(cfg)
     st = Store(cfg.out)

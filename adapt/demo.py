@@ -54,24 +54,9 @@ def proxy_chat(proxy: str, key: str, workload: str, level: str, prompt: str) -> 
 
 
 def table(it: dict, doc: dict) -> str:
-    from dspine.io import md_table
+    from dspine.adapt.evaluation import cells_table
 
-    rows = [
-        [
-            c,
-            v.get("rows", "?"),
-            v.get("tasks", "?"),
-            v.get("tokens", "?"),
-            f"{v['base']:.3f}",
-            f"{v['adapted']:.3f}",
-            f"{v['ratio']:.3f}" + (" ¹" if v.get("same_prompts_as") else ""),
-        ]
-        for c, v in sorted(doc["per_cell"].items())
-    ]
-    head = ["workload/level", "test rows", "tasks", "tokens", "τ base", "τ adapted", "ratio"]
-    out = md_table(head, rows) + f"\n\n(split by {doc.get('split') or 'episode'}; a demonstration on a few rows)"
-    if any(v.get("same_prompts_as") for v in doc["per_cell"].values()):
-        out += "\n¹ levels on this target are a system note: the same conversations, not separate measurements"
+    out = cells_table(doc) + f"\n\n(split by {doc.get('split') or 'episode'}; a demonstration on a few rows)"
     g = doc.get("general") or {}
     if g:
         out += "\n\ngeneral benchmarks (" + ", ".join(g["benchmarks"]) + f", T = 0): τ base {g['tau_mean']['base']:.3f}"
@@ -208,9 +193,9 @@ def main(argv=None) -> int:
         if job.returncode:
             print(job.stdout[-2000:], job.stderr[-2000:], file=sys.stderr)
             return 1
+        acc = json.loads((work / "collected" / "accounts.json").read_text())
+        want = acc["replay"]["turns_planned"] if replay else a.episodes * len(a.levels.split(","))
         for _ in range(120):  # the proxy writes its records after answering
-            acc = json.loads((work / "collected" / "accounts.json").read_text())
-            want = acc["replay"]["turns_planned"] if replay else a.episodes * len(a.levels.split(","))
             if len(AcceptanceStore(cfg.db).traces()) >= want:
                 break
             time.sleep(0.5)

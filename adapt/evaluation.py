@@ -266,7 +266,9 @@ def regression_interval(results: dict, name: str, draws: int = 2000) -> list[flo
 def _mark_levels(per_cell: dict, rows: list[dict], target) -> None:
     """On a target without a thinking mode, a workload's cells at several levels replay the same conversations
     with a system note apart: each such cell names the others (`same_prompts_as`)."""
-    if target.info.model_type.startswith("qwen3"):  # enable_thinking: the levels differ (serve.openai.thinking_mode)
+    from dspine.target import has_thinking_mode
+
+    if has_thinking_mode(target.info.model_type):  # the levels differ
         return
     levels: dict[str, set[str]] = {}
     for r in rows:
@@ -285,7 +287,9 @@ def summary_section(doc: dict) -> dict:
     return {"per_cell": cells, **{k: doc.get(k) for k in keep}}
 
 
-def markdown(doc: dict) -> str:
+def cells_table(doc: dict) -> str:
+    """Per cell: rows, tasks, tokens, τ base / adapted / ratio with their intervals (Markdown), and the note on
+    cells whose levels replay the same prompts."""
     from dspine.io import md_table
 
     def ci(v) -> str:
@@ -304,14 +308,19 @@ def markdown(doc: dict) -> str:
         ]
         for c, v in sorted(doc["per_cell"].items())
     ]
-    text = f"# Adaptation: test rows replayed (exact token prefixes), split by {doc.get('split') or 'episode'}\n\n"
     head = ["workload/level", "drafter", "rows", "tasks", "tokens", "τ base (95% CI)", "τ adapted", "ratio"]
-    text += md_table(head, rows)
+    text = md_table(head, rows)
     if any(v.get("same_prompts_as") for v in doc["per_cell"].values()):
         text += (
             "\n\n¹ the target has no thinking mode: its levels are a system note, so these cells replay the same "
             "conversations and are not separate measurements"
         )
+    return text
+
+
+def markdown(doc: dict) -> str:
+    text = f"# Adaptation: test rows replayed (exact token prefixes), split by {doc.get('split') or 'episode'}\n\n"
+    text += cells_table(doc)
     if doc.get("general"):
         g = doc["general"]
         text += f"\n\nGeneral benchmarks (T = 0, {g['limit']} items each): τ " + ", ".join(

@@ -325,8 +325,10 @@ def choose_blend(cfg: FinetuneConfig, drafter, base_state: dict | None, target, 
 
     from dspine.train.losses import evaluate_tau_sims
 
-    if not cfg.blend_choices or not validation:
-        return cfg.blend if not cfg.blend_choices else max(cfg.blend_choices), {}
+    if not cfg.blend_choices:
+        return cfg.blend, {}
+    if not validation:  # nothing to choose on: the least blended choice
+        return max(cfg.blend_choices), {}
     cands = {}
     for a in cfg.blend_choices:
         d = copy.deepcopy(drafter)

@@ -260,6 +260,13 @@ class Renderer:
         return chat_prompt_ids(self.tokenizer, self.model_type, parse_request(body, True), level)
 
 
+def prefix(conv: Conversation, turn: int, cut: int) -> list[dict]:
+    """The messages before `turn` with `cut` of them dropped from the left (the system message kept)."""
+    msgs = conv.messages[:turn]
+    head = 1 if msgs and msgs[0]["role"] == "system" else 0
+    return msgs[:head] + msgs[head + cut :]
+
+
 @dataclass
 class Plan:
     turns: list[tuple[int, int, int]]  # (message index of the turn, messages cut from the left, prompt tokens)
@@ -274,13 +281,12 @@ def plan_turns(conv: Conversation, renderer: Renderer, level: str, budget: int, 
         at = sorted({at[round(k * (len(at) - 1) / max(max_turns - 1, 1))] for k in range(max_turns)})
     turns, oversize = [], []
     for i in at:
-        msgs = conv.messages[:i]
-        head = 1 if msgs and msgs[0]["role"] == "system" else 0
-        starts = [0] + [k for k in range(1, i - head) if msgs[head + k]["role"] != "tool"]
+        head = 1 if conv.messages[0]["role"] == "system" else 0
+        starts = [0] + [k for k in range(1, i - head) if conv.messages[head + k]["role"] != "tool"]
         best = None  # (cut, tokens) of the smallest cut found to fit
 
         def length(k: int) -> int:
-            return len(renderer.ids(msgs[:head] + msgs[head + k :], conv.tools, level))
+            return len(renderer.ids(prefix(conv, i, k), conv.tools, level))
 
         full = length(0)
         if full <= budget:
@@ -325,8 +331,12 @@ class ReplayHarness(Harness):
     def play(self, ep):
         conv = self.conversations[ep.task.id]
         for i, cut, _ in ep.task.data["turns"]:
-            msgs = conv.messages[:i]
-            head = 1 if msgs and msgs[0]["role"] == "system" else 0
-            sent = msgs[:head] + msgs[head + cut :]
-            ep.chat(sent, conv.tools, turn=i, reference=reference(conv.messages[i]), cut=cut, source="replay")
+            ep.chat(
+                prefix(conv, i, cut),
+                conv.tools,
+                turn=i,
+                reference=reference(conv.messages[i]),
+                cut=cut,
+                source="replay",
+            )
         return None, "replayed"

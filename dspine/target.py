@@ -92,6 +92,11 @@ def resolve_target_path(spec: str) -> Path:
     return path
 
 
+def has_thinking_mode(model_type: str) -> bool:
+    """Whether the target thinks when asked (Qwen3's `enable_thinking`); other targets get a system note."""
+    return model_type.startswith("qwen3")
+
+
 def tools_system_text(tools: list[dict]) -> str:
     """The system-prompt block that offers OpenAI-style `tools` to a target whose chat template has no tool
     support (the serving protocol and the tool-calling training prompts share it)."""

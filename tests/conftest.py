@@ -145,3 +145,13 @@ def running_server(ckpt, name: str = "smol", max_prompt_tokens: int = 200):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory, smollm2_drafters):
+    """`dspine serve` (SmolLM2 + a briefly trained small drafter) taking agent-length prompts: its /v1 URL."""
+    from dspine.checkpoint import save_drafter
+
+    ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp_path_factory.mktemp("agents") / "dspine")
+    with running_server(ckpt, "smol", max_prompt_tokens=8000) as base:
+        yield base + "/v1"

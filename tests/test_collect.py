@@ -14,11 +14,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import running_server
 
 from dspine.adapt.cluster import LocalRayHead, alive
 from dspine.agents.traces import SCHEMA
-from dspine.checkpoint import save_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--max-turns", "2", "--max-tokens", "16", "--concurrency", "2", "--tool-wall-s", "20"]
@@ -48,13 +46,6 @@ def test_stopping_one_ray_head_leaves_another_running(ray_head):
         assert r.status == 200
     r = submit(ray_head, ["--help"])
     assert r.returncode == 0, r.stderr[-2000:]
-
-
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory, smollm2_drafters):
-    ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp_path_factory.mktemp("agents") / "dspine")
-    with running_server(ckpt, "smol", max_prompt_tokens=8000) as base:
-        yield base + "/v1"
 
 
 def submit(ray_head, args, wait=True):

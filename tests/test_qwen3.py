@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import tiny_target
 
 from dspine.serve.protocol import parse_tool_calls, split_reasoning
 
@@ -46,30 +46,14 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
-    """A tiny random Qwen3 (the real vocabulary size) saved with the real tokenizer: a target folder."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+    """A tiny random Qwen3 (the real vocabulary size; conftest's tiny target) saved with the real tokenizer: a
+    target folder."""
     d = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3"
     d.mkdir()
     with gzip.open(TOK / "tokenizer.json.gz", "rb") as src, open(d / "tokenizer.json", "wb") as dst:
         shutil.copyfileobj(src, dst)
     shutil.copy(TOK / "tokenizer_config.json", d / "tokenizer_config.json")
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=4096,
-        eos_token_id=151645,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
-    Qwen3ForCausalLM(cfg).save_pretrained(d)
+    tiny_target("qwen3", vocab=151936, hidden=32, layers=2).model.save_pretrained(d)
     return d
 
 

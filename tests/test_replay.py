@@ -165,17 +165,6 @@ def test_cells_with_too_few_rows_are_refused_with_intervals_over_tasks():
     ]
 
 
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory, smollm2_drafters):
-    from conftest import running_server
-
-    from dspine.checkpoint import save_drafter
-
-    ckpt = save_drafter(smollm2_drafters["dspine"][1], tmp_path_factory.mktemp("replay") / "dspine")
-    with running_server(ckpt, "smol", max_prompt_tokens=8000) as base:
-        yield base + "/v1"
-
-
 def collect(args):
     return subprocess.run(
         [sys.executable, str(ROOT / "adapt" / "collect.py"), "--source", "replay", *args],

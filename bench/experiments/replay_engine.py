@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def render(a) -> int:
-    from dspine.agents.replay import Renderer, plan_turns, read_all, reference, shipped
+    from dspine.agents.replay import Renderer, plan_turns, prefix, read_all, reference, shipped
 
     convs = read_all([a.conversations or str(shipped())])
     r = Renderer(a.target)
@@ -30,9 +30,7 @@ def render(a) -> int:
     for c in convs:
         plan = plan_turns(c, r, a.level, a.max_context - a.max_tokens, a.max_turns)
         for i, cut, _ in plan.turns:
-            msgs = c.messages[:i]
-            head = 1 if msgs and msgs[0]["role"] == "system" else 0
-            sent = msgs[:head] + msgs[head + cut :]
+            sent = prefix(c, i, cut)
             out.append(
                 {
                     "conversation": c.id,
@@ -128,18 +126,21 @@ def generate(a) -> int:
         st.write_rows(sorted(rs, key=lambda r: r.turn), *shard(rs[0].workload, ep))
     st.clean_tmp()
     secs = time.time() - t0
-    tokens = sum(r.completion_tokens for rs in rows.values() for r in rs)
+    flat = [r for rs in rows.values() for r in rs]
+    per: dict[str, list] = {}
+    for r in flat:
+        per.setdefault(r.workload, []).append(r)
+    tokens = sum(r.completion_tokens for r in flat)
     summary = {
         "workloads": {
             w: {
-                "conversations": len({r.episode_id for rs in rows.values() for r in rs if r.workload == w}),
-                "tasks": len({r.task_id for rs in rows.values() for r in rs if r.workload == w}),
-                "turns": sum(r.workload == w for rs in rows.values() for r in rs),
-                "tokens": sum(r.completion_tokens for rs in rows.values() for r in rs if r.workload == w),
-                "prompt_tokens_mean": sum(r.prompt_tokens for rs in rows.values() for r in rs if r.workload == w)
-                / max(1, sum(r.workload == w for rs in rows.values() for r in rs)),
+                "conversations": len({r.episode_id for r in rs}),
+                "tasks": len({r.task_id for r in rs}),
+                "turns": len(rs),
+                "tokens": sum(r.completion_tokens for r in rs),
+                "prompt_tokens_mean": sum(r.prompt_tokens for r in rs) / len(rs),
             }
-            for w in sorted({r.workload for rs in rows.values() for r in rs})
+            for w, rs in sorted(per.items())
         },
         "seconds": secs,
         "tokens_per_s": tokens / secs,

@@ -37,6 +37,7 @@ from dspine.serve.protocol import (
 )
 from dspine.serve.protocol import read_json as protocol_read_json
 from dspine.serve.records import RequestRecord
+from dspine.target import has_thinking_mode
 
 if TYPE_CHECKING:
     from dspine.serve.service import Service
@@ -46,7 +47,7 @@ REASONING_BUDGET = {"low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
 
 def thinking_mode(model_type: str) -> dict:
     """How `reasoning_effort` reaches this target, as /v1/models reports it and `dspine serve` says at start."""
-    if model_type.startswith("qwen3"):
+    if has_thinking_mode(model_type):
         return {"mode": "enable_thinking", "detail": "none: enable_thinking=False; any other level: True"}
     budget = ", ".join(f"{k} {v}" for k, v in REASONING_BUDGET.items())
     return {
@@ -188,9 +189,7 @@ class OpenAIShaping:
             token_ids=req.return_token_ids,
             tool_names={t.function.name for t in tools} if tools else None,
             one_call=chat and req.parallel_tool_calls is False,
-            reasoning=chat
-            and effort != "none"
-            and thinking_mode(self.engine.target.info.model_type)["mode"] == "enable_thinking",
+            reasoning=chat and effort != "none" and has_thinking_mode(self.engine.target.info.model_type),
             n=req.n,
             timeout_s=min((t for t in (req.timeout, self.cfg.request_timeout_s) if t), default=None),
         )
