@@ -161,7 +161,8 @@ def split_episodes(rows: list[dict], fraction: float, seed: int, by: str = "epis
 
 def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
     """{group: {"train": samples, "validation": samples, "heldout_episodes": [...] (the test part),
-    "validation_episodes": [...], "parts": rows and tasks per part, "rows": n}} from the traces."""
+    "validation_episodes": [...], "test_tasks": [...] (what a later run must hold out too), "parts": rows and tasks per
+    part, "rows": n}} from the traces."""
     from dspine.agents.traces import Store, load_traces
 
     if not Store(cfg.traces).exists("traces"):
@@ -183,6 +184,7 @@ def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
             "validation": [row_sample(r, cfg.train.max_len) for r in val],
             "heldout_episodes": sorted({r["episode_id"] for r in held}),
             "validation_episodes": sorted({r["episode_id"] for r in val}),
+            "test_tasks": sorted({split_unit(r, "task") for r in held}),
             "parts": {
                 name: {"rows": len(rs), "tasks": len({split_unit(r, "task") for r in rs})}
                 for name, rs in (("train", train), ("validation", val), ("test", held))
@@ -400,6 +402,7 @@ def finetune(cfg: FinetuneConfig, progress: bool = True) -> dict:
             "validation_samples": len(data["validation"]),
             "heldout_episodes": data["heldout_episodes"],
             "validation_episodes": data["validation_episodes"],
+            "test_tasks": data["test_tasks"],
             "parts": data["parts"],
             "split": cfg.split,
             "blend": json.loads((final / "config.json").read_text())["dspine_training"].get("blend"),

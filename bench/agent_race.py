@@ -4,14 +4,17 @@ conversations that the target regenerates, held out by task.
 
     python bench/agent_race.py --out bench/results/agent_race.json --summary bench/results/summary.json
 
-Traffic: `tool_replay` — tau-bench airline gpt-4o conversations (one trial per task, tool calls and results
-included); `swe_replay` — SWE-Gym/OpenHands and SWE-smith conversations (../shared/data/agent_trajectories, see
-its SOURCES.md). For each measured assistant turn the exact preceding messages (tools included) go through the
-server's own rendering (dspine.serve.protocol) and the target's chat template, cut from the left at a message
-boundary to --max-context tokens (the system message kept), and the target generates the turn greedily.
+Traffic: the shipped real agent conversations (agents.replay: `tool_replay` — tau-bench airline gpt-4o
+conversations, tool calls and results included; `swe_replay` — SWE-Gym/OpenHands, SWE-smith, nebius and SWE-agent
+conversations; workloads/data/agent_trajectories, see SOURCES.md), or --conversations. For each measured assistant
+turn the exact preceding messages (tools included) are rendered as `dspine serve` renders them, cut from the left at
+a message boundary to --max-context tokens (the system message kept), and the target generates the turn greedily.
 
-Held out by task: the tasks are split in two; the corpus holds the original assistant turns of one half
-(tokenized by the target, per workload), the turns measured come from the other half only. Every method's output
+Held out by task: the turns of every conversation are rendered once (`--save-rows`, with their tasks); when
+measuring, the held-out tasks are the test part of a fine-tune (`--heldout finetune.json`: the adapted drafter never
+trained on them, and they chose nothing) or else every other task, and only their turns are measured. The corpus
+holds the other tasks only: their original assistant turns, or (`--corpus-traces DIR`) the target's own completions
+of them from a replay collection — what `dspine serve` accumulates from its traffic. Every method's output
 is checked against AR's token for token. τ is tokens per target forward after the prefill (rounds without drafts
 included); tok/s counts the whole request (prefill included); decode tok/s the tokens after the first over the
 time after the prefill.
@@ -36,124 +39,127 @@ from dspine.sampling import SamplingParams
 from dspine.suffix import SuffixConfig, SuffixCorpus
 from dspine.target import load_target
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent_trajectories"
 METHODS = ("ar", "suffix", "suffix+corpus", "dspine", "hybrid")
+ADAPTED = ("dspine-adapted", "hybrid-adapted")  # with --adapted: the fine-tuned drafter, alone and in the hybrid
+HYBRIDS = {"hybrid": "dspine", "hybrid-adapted": "dspine-adapted"}  # each hybrid against its own drafter alone
 
 
-def conversations(data: Path) -> list[dict]:
-    """{workload, task, messages, tools} per conversation: tau airline (first trial of each task), SWE sources."""
-    out = []
-    tau = json.loads((data / "tau_bench_airline_gpt4o" / "gpt-4o-airline.tasks-00-29.json").read_text())
-    seen = set()
-    for t in tau:
-        if t["task_id"] in seen:
-            continue
-        seen.add(t["task_id"])
-        out.append({"workload": "tool_replay", "task": f"airline-{t['task_id']}", "messages": t["traj"], "tools": None})
-    for name in ("swe-gym_openhands_sampled_trajectories.sample_raw.json", "swe-smith.sample_raw.json"):
-        for i, c in enumerate(json.loads((data / "swe_adp_samples" / name).read_text())):
-            task = str(c.get("instance_id") or c.get("id") or f"{name}-{i}")
-            out.append({"workload": "swe_replay", "task": task, "messages": c["messages"], "tools": c.get("tools")})
+def corpus_text(m: dict) -> str:
+    """An original assistant turn as this target would write it: its text, then each tool call in the
+    `<tool_call>` form the server parses back."""
+    text = m.get("content") or ""
+    for call in m.get("tool_calls") or []:
+        fn = call["function"]
+        text += "\n<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]}) + "\n</tool_call>"
+    return text
+
+
+def render_rows(a) -> dict:
+    """Every conversation's measured turns (up to --turns-per-task, spread over it; each prefix rendered as `dspine
+    serve` renders it and cut from the left to --max-context tokens: agents.replay) and every original assistant
+    turn as corpus text, all labelled with their task, so that which tasks are held out is decided when measuring."""
+    from dspine.agents.replay import Renderer, plan_turns, prefix, read_all, shipped
+
+    convs = read_all([a.conversations or str(shipped())])
+    r = Renderer(a.target)
+    rows, corpus = [], []
+    for c in convs:
+        for i, cut, _ in plan_turns(c, r, "none", a.max_context, a.turns_per_task).turns:
+            ids = r.ids(prefix(c, i, cut), c.tools, "none")
+            rows.append(
+                {"workload": c.workload, "task": c.task_id, "conversation": c.id, "turn": i, "ids": ids, "cut": cut}
+            )
+        for m in c.messages:
+            if m["role"] == "assistant" and corpus_text(m).strip():
+                corpus.append({"workload": c.workload, "task": c.task_id, "ids": r.tokenizer.encode(corpus_text(m))})
+    return {"target": a.target, "max_context": a.max_context, "rows": rows, "corpus": corpus}
+
+
+def held_out(a, rows: list[dict]) -> set[str]:
+    """The measured tasks ("workload:task"): with --heldout, the test part of that fine-tune (finetune.json: no
+    adapted drafter trained on or was chosen on them); else every other task of each workload."""
+    if a.heldout:
+        doc = json.loads(Path(a.heldout).read_text())
+        return {t for g in doc["groups"].values() for t in g["test_tasks"]}
+    out = set()
+    for w in sorted({r["workload"] for r in rows}):
+        out |= {f"{w}:{t}" for t in sorted({r["task"] for r in rows if r["workload"] == w})[1::2]}
     return out
 
 
-def clean(m: dict) -> dict:
-    """An OpenAI message as the server accepts it (string content; tool calls' ids and arguments as given)."""
-    d = {"role": m["role"], "content": m.get("content") or ("" if m["role"] != "assistant" else None)}
-    if m.get("tool_calls"):
-        d["tool_calls"] = [
-            {"id": c.get("id") or f"call_{k}", "type": "function", "function": c["function"]}
-            for k, c in enumerate(m["tool_calls"])
-        ]
-    if m["role"] == "tool":
-        d["tool_call_id"] = m.get("tool_call_id") or "call_0"
-    return d
-
-
-def render(target, messages: list[dict], tools, max_context: int) -> tuple[list[int], int]:
-    """The prefix's token ids as `dspine serve` renders it, cut from the left at message boundaries (the system
-    message kept) to at most max_context tokens -> (ids, messages cut)."""
-    from dspine.serve.protocol import parse_request, template_has_tools, template_messages
-
-    native = template_has_tools(getattr(target.tokenizer, "chat_template", None))
-    system = [m for m in messages[:1] if m["role"] == "system"]
-    rest = messages[len(system) :]
-    for cut in range(len(rest)):
-        body = {"messages": system + rest[cut:], **({"tools": tools} if tools else {})}
-        if rest[cut]["role"] == "tool":
-            continue  # a tool result must follow its call
-        req = parse_request(body, True)
-        msgs, kw = template_messages(req, native)
-        ids = target.chat_ids(msgs, **kw)
-        if len(ids) <= max_context:
-            return ids, cut
-    return [], len(rest)
-
-
-def turns(target, convs: list[dict], per_conv: int, max_context: int) -> list[dict]:
-    """The measured turns: up to per_conv assistant turns per conversation, spread over it."""
+def select(a, saved: dict) -> tuple[list[dict], list[tuple[str, list[int]]], str]:
+    """(the measured turns, the corpus as (workload, ids), what the corpus is): turns of held-out tasks only (at
+    most --tasks tasks per workload), the corpus from the other tasks only — the original turns, or with
+    --corpus-traces the target's own completions there (what `dspine serve` accumulates from its traffic)."""
+    held = held_out(a, saved["rows"])
     rows = []
-    for c in convs:
-        msgs = [clean(m) for m in c["messages"]]
-        at = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i >= 2]
-        pick = [at[round(k * (len(at) - 1) / max(per_conv - 1, 1))] for k in range(min(per_conv, len(at)))]
-        for i in sorted(set(pick)):
-            ids, cut = render(target, msgs[:i], c["tools"], max_context)
-            if ids:
-                rows.append({"workload": c["workload"], "task": c["task"], "turn": i, "ids": ids, "cut": cut})
-    return rows
+    for w in sorted({r["workload"] for r in saved["rows"]}):
+        tasks = sorted({r["task"] for r in saved["rows"] if r["workload"] == w and f"{w}:{r['task']}" in held})
+        keep = set(tasks[: a.tasks] if a.tasks else tasks)
+        rows += [r for r in saved["rows"] if r["workload"] == w and r["task"] in keep]
+    if a.corpus_traces:
+        from dspine.agents.traces import load_traces
 
-
-def corpus_rows(target, convs: list[dict]) -> list[tuple[str, list[int]]]:
-    """(workload, token ids) of every assistant turn's text and tool calls in these conversations."""
-    out = []
-    for c in convs:
-        for m in c["messages"]:
-            if m["role"] != "assistant":
-                continue
-            text = m.get("content") or ""
-            for call in m.get("tool_calls") or []:
-                text += (
-                    "\n<tool_call>\n"
-                    + json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
-                    + "\n</tool_call>"
-                )
-            if text.strip():
-                out.append((c["workload"], target.encode(text)))
-    return out
-
-
-def load_rows(a, target) -> tuple[list[dict], list[tuple[str, list[int]]]]:
-    """(the measured turns, the corpus rows): read from --rows, or rendered from the conversations (held out by
-    task: every other task is measured, the rest feed the corpus)."""
-    if a.rows:
-        saved = json.loads(Path(a.rows).read_text())
-        rows, pool = saved["rows"], [tuple(x) for x in saved["corpus"]]
+        got = load_traces(a.corpus_traces).to_pylist()
+        pool = [
+            (r["workload"], r["completion_token_ids"]) for r in got if f"{r['workload']}:{r['task_id']}" not in held
+        ]
+        what = f"the target's own completions of the other tasks ({a.corpus_traces})"
     else:
-        convs = conversations(Path(a.data))
-        held, base = [], []
-        for w in sorted({c["workload"] for c in convs}):
-            mine = [c for c in convs if c["workload"] == w]
-            held += mine[1::2][: a.tasks]  # every other task is measured, the rest feed the corpus
-            base += mine[0::2]
-        rows, pool = turns(target, held, a.turns_per_task, a.max_context), corpus_rows(target, base)
-    return rows, pool
+        pool = [(c["workload"], c["ids"]) for c in saved["corpus"] if f"{c['workload']}:{c['task']}" not in held]
+        what = "the original (gpt-4o and SWE agents') turns of the other tasks"
+    if not rows:
+        raise SystemExit("no turn of a held-out task to measure (is --heldout from these conversations?)")
+    return rows, pool, what
+
+
+def build_engines(a, target, cfg: SuffixConfig, corpus: SuffixCorpus) -> dict:
+    """Each method's engine with the device's defaults (EngineOptions.build: on a CPU a small tree and the int8
+    drafter `dspine serve` decodes with there, on a GPU the 32-node tree and the target's fp32)."""
+    dtype = torch.qint8 if a.device == "cpu" else torch.float32
+    drafter = load_drafter(a.drafter or builtin_drafter("smollm2-135m-instruct"), target, dtype, a.device)
+    engines = {
+        "ar": Engine(target),
+        "suffix": Engine(target, None, suffix=cfg),
+        "suffix+corpus": Engine(target, None, suffix=cfg, corpus=corpus),
+        "dspine": EngineOptions().build(target, drafter),
+        "hybrid": EngineOptions(suffix=True).build(target, drafter),
+    }
+    if a.adapted:
+        adapted = load_drafter(a.adapted, target, dtype, a.device)
+        engines["dspine-adapted"] = EngineOptions().build(target, adapted)
+        engines["hybrid-adapted"] = EngineOptions(suffix=True).build(target, adapted)
+    for m in HYBRIDS:
+        if m in engines:
+            engines[m].corpus = corpus  # the corpus above (EngineOptions starts an empty one)
+    return engines
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=str(DATA), help="the agent_trajectories folder (default: %(default)s)")
+    ap.add_argument("--conversations", help="a file or folder of conversations (default: the shipped ones)")
     ap.add_argument("--turns-per-task", type=int, default=2, help="assistant turns measured per conversation")
-    ap.add_argument("--tasks", type=int, default=8, help="measured (held-out) conversations per workload at most")
-    ap.add_argument("--max-context", type=int, default=2048, help="prefix tokens at most (cut at a message boundary)")
+    ap.add_argument("--tasks", type=int, default=8, help="held-out tasks measured per workload at most (0: all)")
+    ap.add_argument("--max-context", type=int, default=4096, help="prefix tokens at most (cut at a message boundary)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", help="JSON to write (a .md table beside it)")
     ap.add_argument("--summary", help="summary.json whose `agent_race` section is rewritten")
     ap.add_argument("--target", default="smollm2-135m-instruct", help="the target (a built-in name, .gguf or folder)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda: each engine takes that device's defaults")
     ap.add_argument("--drafter", help="the DSpine checkpoint (default: the shipped one)")
-    ap.add_argument("--save-rows", help="render the turns and the corpus (token ids) into this file and stop")
-    ap.add_argument("--rows", help="measure the turns and corpus --save-rows wrote (no rendering: no pydantic needed)")
+    ap.add_argument("--adapted", help="a fine-tuned checkpoint: adds dspine-adapted and hybrid-adapted")
+    ap.add_argument(
+        "--heldout",
+        help="the fine-tune's finetune.json: measure its test tasks only (none of them trained on or chose anything)",
+    )
+    ap.add_argument(
+        "--corpus-traces",
+        help="a collection directory: the corpus is the target's own completions of the tasks not measured",
+    )
+    ap.add_argument(
+        "--save-rows", help="render every conversation's turns and corpus (token ids) into this file and stop"
+    )
+    ap.add_argument("--rows", help="measure the turns --save-rows wrote (no rendering: no pydantic needed)")
     ap.add_argument(
         "--concurrency",
         type=int,
@@ -162,42 +168,33 @@ def main(argv=None) -> int:
         "batching as `dspine serve` schedules) and is reported by tokens/s over the whole run",
     )
     a = ap.parse_args(argv)
-    if a.device == "cpu":
-        torch.set_num_threads(2)
-    target = load_target(a.target, dtype=torch.float32, device=a.device)
-    cpu = a.device == "cpu"  # the drafter as `dspine serve` decodes it there: int8 on a CPU, else the target's fp32
-    path = a.drafter or builtin_drafter("smollm2-135m-instruct")
-    drafter = load_drafter(path, target, torch.qint8 if cpu else torch.float32, a.device)
-    rows, pool = load_rows(a, target)
     if a.save_rows:
-        atomic_write_text(Path(a.save_rows), json.dumps({"rows": rows, "corpus": pool}))
+        atomic_write_text(Path(a.save_rows), json.dumps(render_rows(a)))
         return 0
     if not a.out:
         ap.error("--out is needed to measure")
+    rows, pool, corpus_from = select(a, json.loads(Path(a.rows).read_text()) if a.rows else render_rows(a))
+    if a.device == "cpu":
+        torch.set_num_threads(2)
+    target = load_target(a.target, dtype=torch.float32, device=a.device)
     cfg = SuffixConfig()
     corpus = SuffixCorpus(cfg, target.info.vocab_size)
     for w, ids in pool:
         corpus.add(ids, w)
-    engines = {  # the device's defaults (EngineOptions.build: on a CPU a small tree, on a GPU the 32-node one)
-        "ar": Engine(target),
-        "suffix": Engine(target, None, suffix=cfg),
-        "suffix+corpus": Engine(target, None, suffix=cfg, corpus=corpus),
-        "dspine": EngineOptions().build(target, drafter),
-        "hybrid": EngineOptions(suffix=True).build(target, drafter),
-    }
-    engines["hybrid"].corpus = corpus  # the corpus above (EngineOptions starts an empty one)
+    engines = build_engines(a, target, cfg, corpus)
+    methods = tuple(engines)
     params = SamplingParams(max_tokens=a.max_new_tokens, temperature=0.0)
-    results: dict[str, list[dict]] = {m: [] for m in METHODS}
+    results: dict[str, list[dict]] = {m: [] for m in methods}
     forwards = [0]  # target forwards: τ here is tokens per forward after the prefill, AR rounds included
     real_forward = target.forward
     target.forward = lambda *x, **k: forwards.__setitem__(0, forwards[0] + 1) or real_forward(*x, **k)
     for eng in engines.values():  # untimed first calls (the int8 drafter's kernels, allocations)
         eng.generate(rows[0]["ids"][-64:], SamplingParams(max_tokens=8))
     if a.concurrency > 1:
-        return _race_batched(a, engines, rows, params)
+        return _race_batched(a, engines, rows, params, methods)
     t_start = time.time()
     for k, r in enumerate(rows):
-        for m in METHODS:
+        for m in methods:
             before = forwards[0]
             res = engines[m].generate(r["ids"], params, profile=True)
             pre = res.timings.get("prefill", 0.0)
@@ -220,58 +217,32 @@ def main(argv=None) -> int:
     doc = {
         **provenance(),
         "settings": vars(a),
+        "corpus": corpus_from,
         "corpus_tokens": {w: corpus.tokens(w) for w in corpus.indexes},
+        "methods": list(methods),
         "suffix_config": cfg.__dict__,
-        "workloads": {},
+        "workloads": cell_figures(rows, results, methods),
     }
-    for w in sorted({r["workload"] for r in rows}) + ["all"]:
-        idx = [i for i, r in enumerate(rows) if w in ("all", r["workload"])]
-        cell = {
-            "rows": len(idx),
-            "tasks": len({rows[i]["task"] for i in idx}),
-            "prompt_tokens_mean": round(sum(len(rows[i]["ids"]) for i in idx) / len(idx), 1),
-            "tau": {},
-            "tokens_per_s": {},
-            "decode_tokens_per_s": {},
-            "speed_vs_ar": {},
-            "decode_vs_ar": {},
-            "match_ar": {},
-        }
-        for m in METHODS:
-            got = [results[m][i] for i in idx]
-            toks = sum(len(g["tokens"]) for g in got)
-            secs = sum(g["seconds"] for g in got)
-            dec = sum(g["seconds"] - g["prefill_s"] for g in got)
-            cell.setdefault("tokens", toks)  # AR's, the first; every method generates the same when it equals AR
-            cell["tau"][m] = round((toks - len(got)) / max(1, sum(g["rounds"] for g in got)), 3)
-            cell["tokens_per_s"][m] = round(toks / secs, 2)
-            cell["decode_tokens_per_s"][m] = round((toks - len(got)) / dec, 2)
-            cell["match_ar"][m] = sum(g["tokens"] == results["ar"][i]["tokens"] for g, i in zip(got, idx)) / len(idx)
-        for m in METHODS:
-            cell["speed_vs_ar"][m] = round(cell["tokens_per_s"][m] / cell["tokens_per_s"]["ar"], 3)
-            cell["decode_vs_ar"][m] = round(cell["decode_tokens_per_s"][m] / cell["decode_tokens_per_s"]["ar"], 3)
-        best = max(cell["tokens_per_s"][m] for m in ("suffix+corpus", "dspine"))
-        cell["hybrid_over_best_single"] = round(cell["tokens_per_s"]["hybrid"] / best, 3)
-        cell["ci95"] = task_intervals(rows, idx, results)
-        doc["workloads"][w] = cell
     doc["hybrid_over_best_single"] = doc["workloads"]["all"]["hybrid_over_best_single"]
+    if a.adapted:
+        doc["hybrid_adapted_over_best_single"] = doc["workloads"]["all"]["hybrid_adapted_over_best_single"]
     out = Path(a.out)
     atomic_write_text(out, json_text(doc))
     table = race_table(doc)
     atomic_write_text(out.with_suffix(".md"), table)
     if a.summary:
-        keys = ("workloads", "hybrid_over_best_single", "git_sha", "command", "hardware")
-        update_summary(a.summary, "agent_race", {k: doc[k] for k in keys})
+        keys = ("workloads", "hybrid_over_best_single", "hybrid_adapted_over_best_single", "git_sha", "command")
+        update_summary(a.summary, "agent_race", {k: doc[k] for k in (*keys, "hardware") if k in doc})
     print(table)
     return 0
 
 
-def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams) -> int:
+def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams, methods: tuple) -> int:
     """Every method over all turns at a.concurrency in flight: tokens/s over the run, × AR, = AR per turn."""
     from dspine.engine import generate_stream
 
     prompts, got = [r["ids"] for r in rows], {}
-    for m in METHODS:
+    for m in methods:
         t0 = time.time()
         res = generate_stream(engines[m], prompts, params, a.concurrency)
         got[m] = (res, time.time() - t0)
@@ -285,7 +256,7 @@ def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams) ->
         doc["workloads"][w] = cell
     toks = {m: sum(len(r.token_ids) for r in res) for m, (res, _) in got.items()}
     doc["tokens_per_s"] = {m: round(toks[m] / secs, 2) for m, (_, secs) in got.items()}
-    doc["speed_vs_ar"] = {m: round(doc["tokens_per_s"][m] / doc["tokens_per_s"]["ar"], 3) for m in METHODS}
+    doc["speed_vs_ar"] = {m: round(doc["tokens_per_s"][m] / doc["tokens_per_s"]["ar"], 3) for m in methods}
     best = max(doc["tokens_per_s"][m] for m in ("suffix+corpus", "dspine"))
     doc["hybrid_over_best_single"] = round(doc["tokens_per_s"]["hybrid"] / best, 3)
     rows_md = [
@@ -295,7 +266,7 @@ def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams) ->
             f"{doc['speed_vs_ar'][m]:.2f}",
             f"{doc['workloads']['all']['match_ar'][m]:.2f}",
         ]
-        for m in METHODS
+        for m in methods
     ]
     table = (
         f"concurrency {a.concurrency}, {len(rows)} turns (all workloads), tokens/s over the whole run "
@@ -311,7 +282,45 @@ def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams) ->
     return 0
 
 
-def task_intervals(rows: list[dict], idx: list[int], results: dict, draws: int = 2000) -> dict:
+def cell_figures(rows: list[dict], results: dict, methods: tuple) -> dict:
+    """{workload (and "all"): rows, tasks, τ, tok/s, × AR, = AR per method, hybrid over the best single, 95% CIs}."""
+    out = {}
+    for w in sorted({r["workload"] for r in rows}) + ["all"]:
+        idx = [i for i, r in enumerate(rows) if w in ("all", r["workload"])]
+        cell = {
+            "rows": len(idx),
+            "tasks": len({rows[i]["task"] for i in idx}),
+            "prompt_tokens_mean": round(sum(len(rows[i]["ids"]) for i in idx) / len(idx), 1),
+            "tau": {},
+            "tokens_per_s": {},
+            "decode_tokens_per_s": {},
+            "speed_vs_ar": {},
+            "decode_vs_ar": {},
+            "match_ar": {},
+        }
+        for m in methods:
+            got = [results[m][i] for i in idx]
+            toks = sum(len(g["tokens"]) for g in got)
+            secs = sum(g["seconds"] for g in got)
+            dec = sum(g["seconds"] - g["prefill_s"] for g in got)
+            cell.setdefault("tokens", toks)  # AR's, the first; every method generates the same when it equals AR
+            cell["tau"][m] = round((toks - len(got)) / max(1, sum(g["rounds"] for g in got)), 3)
+            cell["tokens_per_s"][m] = round(toks / secs, 2)
+            cell["decode_tokens_per_s"][m] = round((toks - len(got)) / dec, 2)
+            cell["match_ar"][m] = sum(g["tokens"] == results["ar"][i]["tokens"] for g, i in zip(got, idx)) / len(idx)
+        for m in methods:
+            cell["speed_vs_ar"][m] = round(cell["tokens_per_s"][m] / cell["tokens_per_s"]["ar"], 3)
+            cell["decode_vs_ar"][m] = round(cell["decode_tokens_per_s"][m] / cell["decode_tokens_per_s"]["ar"], 3)
+        for h, d in HYBRIDS.items():
+            if h in methods:
+                best = max(cell["tokens_per_s"][m] for m in ("suffix+corpus", d))
+                cell[f"{h}_over_best_single".replace("-", "_")] = round(cell["tokens_per_s"][h] / best, 3)
+        cell["ci95"] = task_intervals(rows, idx, results, methods)
+        out[w] = cell
+    return out
+
+
+def task_intervals(rows: list[dict], idx: list[int], results: dict, methods: tuple, draws: int = 2000) -> dict:
     """95% bootstrap intervals over tasks (a task's turns resampled together) of each method's pooled τ and ×AR
     (tokens/s over the resampled turns), and of hybrid over the faster of suffix+corpus and DSpine."""
     import random
@@ -322,11 +331,13 @@ def task_intervals(rows: list[dict], idx: list[int], results: dict, draws: int =
     groups, rng = list(tasks.values()), random.Random(0)
 
     def figures(pick: list[int]) -> dict:
-        tok = {m: sum(len(results[m][i]["tokens"]) for i in pick) for m in METHODS}
-        tps = {m: tok[m] / sum(results[m][i]["seconds"] for i in pick) for m in METHODS}
-        out = {f"tau/{m}": (tok[m] - len(pick)) / max(1, sum(results[m][i]["rounds"] for i in pick)) for m in METHODS}
-        out.update({f"x_ar/{m}": tps[m] / tps["ar"] for m in METHODS})
-        out["hybrid_over_best_single"] = tps["hybrid"] / max(tps["suffix+corpus"], tps["dspine"])
+        tok = {m: sum(len(results[m][i]["tokens"]) for i in pick) for m in methods}
+        tps = {m: tok[m] / sum(results[m][i]["seconds"] for i in pick) for m in methods}
+        out = {f"tau/{m}": (tok[m] - len(pick)) / max(1, sum(results[m][i]["rounds"] for i in pick)) for m in methods}
+        out.update({f"x_ar/{m}": tps[m] / tps["ar"] for m in methods})
+        for h, d in HYBRIDS.items():
+            if h in methods:
+                out[f"{h}_over_best_single".replace("-", "_")] = tps[h] / max(tps["suffix+corpus"], tps[d])
         return out
 
     samples = [figures([i for g in rng.choices(groups, k=len(groups)) for i in g]) for _ in range(draws)]
@@ -354,7 +365,7 @@ def race_table(doc: dict) -> str:
                 f"{c['decode_vs_ar'][m]:.2f}",
                 f"{c['match_ar'][m]:.2f}",
             ]
-            for m in METHODS
+            for m in doc.get("methods", METHODS)
         ]
         lines.append(md_table(["method", "τ", "tok/s", "× AR", "decode tok/s", "decode × AR", "= AR"], rows))
         ci = c.get("ci95", {})
@@ -363,6 +374,15 @@ def race_table(doc: dict) -> str:
             f"(95% over tasks {ci.get('hybrid_over_best_single')}); hybrid τ {ci.get('tau/hybrid')}, "
             f"× AR {ci.get('x_ar/hybrid')}; DSpine τ {ci.get('tau/dspine')}, suffix τ {ci.get('tau/suffix')}\n"
         )
+        if "hybrid_adapted_over_best_single" in c:
+            lines.append(
+                f"hybrid-adapted / the faster of suffix+corpus and DSpine adapted: "
+                f"{c['hybrid_adapted_over_best_single']:.2f} (95% over tasks "
+                f"{ci.get('hybrid_adapted_over_best_single')}); hybrid-adapted τ {ci.get('tau/hybrid-adapted')}, "
+                f"× AR {ci.get('x_ar/hybrid-adapted')}; DSpine adapted τ {ci.get('tau/dspine-adapted')}\n"
+            )
+    if doc.get("corpus"):
+        lines.append(f"Corpus: {doc['corpus']}, {doc['corpus_tokens']} tokens per workload.\n")
     lines.append(f"{doc['git_sha'][:7]} · {doc['hardware']} · `{doc['command']}`")
     return "\n".join(lines) + "\n"
 

@@ -26,7 +26,8 @@
 # rows of every cell replayed EVAL_BATCH at a time, at most MAX_ROWS of them, 0: all; the seven benchmarks at LIMIT
 # items, default 3, in GENERAL_WORKERS processes, default 4), starts none with less than TRAIN_S + EVAL_S (240) of
 # its S seconds left, and cuts an evaluation at S + 20; $OUT gets each fine-tune's finetune.json as soon as it ends,
-# then adapt_<variant>.{json,md}. A variant is NAME:OVERRIDE,OVERRIDE,... of FinetuneConfig (adapt/finetuning.py); the default set compares one drafter for all
+# then adapt_<variant>.{json,md}. A variant is 'NAME:OVERRIDE OVERRIDE ...' (one argument, overrides apart by spaces, so a list such as
+# blend_choices=[0.5,0.7,1.0] stays whole) of FinetuneConfig (adapt/finetuning.py); the default set compares one drafter for all
 # traces without and with general data mixed in, then blended with the base in weight space (blend=0.7), held
 # out by episode vs by task (no held-out task trained on), one per workload × level, and LoRA.
 set -euo pipefail
@@ -66,18 +67,18 @@ run)
   [ -d $W/traces ] || { echo "no traces in $W: run \`collect\` or \`traces\` first" >&2; exit 2; }
   S=$2; shift 2
   V=("$@")
-  mix=mix=$W/mix/data,mix_fraction=0.3
-  [ ${#V[@]} -gt 0 ] || V=("all-full:per=all,mode=full,train.lr=1e-4" "all-mix:per=all,mode=full,train.lr=1e-4,$mix"
-    "all-blend:per=all,mode=full,train.lr=1e-4,$mix,blend=0.7"
-    "all-task:per=all,mode=full,train.lr=1e-4,split=task,$mix,blend=0.7" "cell-mix:per=workload_level,mode=full,train.lr=1e-4,$mix"
-    "all-lora:per=all,mode=lora,train.lr=1e-3,$mix")
+  mix="mix=$W/mix/data mix_fraction=0.3"
+  [ ${#V[@]} -gt 0 ] || V=("all-full:per=all mode=full train.lr=1e-4" "all-mix:per=all mode=full train.lr=1e-4 $mix"
+    "all-blend:per=all mode=full train.lr=1e-4 $mix blend=0.7"
+    "all-task:per=all mode=full train.lr=1e-4 split=task $mix blend=0.7" "cell-mix:per=workload_level mode=full train.lr=1e-4 $mix"
+    "all-lora:per=all mode=lora train.lr=1e-3 $mix")
   for v in "${V[@]}"; do
     name=${v%%:*}; ovr=${v#*:}
     if [ "$(left "$S")" -lt $(( ${TRAIN_S:-60} + ${EVAL_S:-240} )) ]; then echo "$name: not started (time)"; continue; fi
-    echo "== $name: ${ovr//,/ }"
+    echo "== $name: $ovr"
     python adapt/finetune.py --traces $W/traces --out $W/$name --target ${TARGET:-/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf} --base /tmp/builtin --workers 0 --device ${DEVICE:-cuda} \
       train.time_budget_s=${TRAIN_S:-60} train.steps=100000 train.batch_size=8 train.max_len=2048 \
-      train.anchors_per_seq=64 train.eval_every=50 train.warmup_steps=20 ${ovr//,/ } > $W/ft_$name.log 2>&1 || true
+      train.anchors_per_seq=64 train.eval_every=50 train.warmup_steps=20 $ovr > $W/ft_$name.log 2>&1 || true
     grep -v "Loading weights" $W/ft_$name.log | tail -n 8
     cp $W/$name/finetune.json $OUT/finetune_$name.json || continue
     # bounded by the time left: the replay is batched, the rows capped (taken in turn from every cell)
