@@ -213,6 +213,7 @@ def test_held_out_replay_and_the_gate_on_real_figures(setup, tmp_path):
     cfg.train = dataclasses.replace(cfg.train, steps=40, batch_size=2)
     ft = finetune(cfg, progress=False)
     assert len(ft["groups"]["all"]["heldout_episodes"]) == 2 and ft["groups"]["all"]["train_samples"] == 4
+    assert ft["groups"]["all"]["test_tasks"] == ["tool:t"]  # what a later run (the agent race) must hold out too
     doc = evaluate_adaptation(
         EvalConfig(finetune=str(tmp_path / "ft"), out=str(tmp_path / "adapt.json"), limit=0, min_rows=1, min_tasks=1),
         progress=False,

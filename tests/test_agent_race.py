@@ -1,0 +1,90 @@
+"""The agent race's hold-out (bench/agent_race.py): the turns measured are of held-out tasks only, and the corpus the
+suffix drafter and the hybrid read never holds a measured task — with the fine-tune's test tasks, by default, and
+with the target's own completions as the corpus."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspine.agents.base import TraceRow
+from dspine.agents.traces import Store
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmark scripts, not the package
+from agent_race import held_out, select
+
+
+def _saved() -> dict:
+    rows, corpus = [], []
+    for w, tasks in (("tool_replay", ["a1", "a2", "a3", "a4"]), ("swe_replay", ["s1", "s2"])):
+        for t in tasks:
+            for conv in range(2):
+                rows.append({"workload": w, "task": t, "conversation": f"{t}-{conv}", "turn": 2, "ids": [1, 2]})
+            corpus.append({"workload": w, "task": t, "ids": [sum(map(ord, t)), 7]})
+    return {"rows": rows, "corpus": corpus}
+
+
+def _trace(task: str, workload: str, ids: list[int]) -> TraceRow:
+    return TraceRow(
+        episode_id=f"e-{task}",
+        task_id=task,
+        workload=workload,
+        thinking="none",
+        turn=2,
+        request_id=f"r-{task}",
+        messages="{}",
+        tools="[]",
+        prompt_token_ids=[1],
+        completion_token_ids=ids,
+        has_token_ids=True,
+        completion_text="",
+        tool_calls="[]",
+        finish_reason="length",
+        prompt_tokens=1,
+        completion_tokens=len(ids),
+        accept_hist=[],
+        tau=None,
+        sampling="{}",
+        target="tiny",
+        drafter=None,
+        chat_template_sha256=None,
+        latency_s=0.0,
+        ts=0.0,
+        source="replay",
+    )
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"heldout": None, "corpus_traces": None, "tasks": 0, **kw})
+
+
+def test_the_measured_tasks_never_feed_the_corpus(tmp_path):
+    saved = _saved()
+    held = held_out(_args(), saved["rows"])
+    assert held == {"tool_replay:a2", "tool_replay:a4", "swe_replay:s2"}  # every other task per workload
+    rows, pool, what = select(_args(), saved)
+    assert {f"{r['workload']}:{r['task']}" for r in rows} == held and len(rows) == 6
+    assert sorted(ids[0] for _, ids in pool) == sorted(sum(map(ord, t)) for t in ("a1", "a3", "s1"))
+    assert "original" in what
+    # the fine-tune's test part decides, capped per workload
+    ft = tmp_path / "finetune.json"
+    ft.write_text(
+        json.dumps({"groups": {"all": {"test_tasks": ["tool_replay:a1", "tool_replay:a3", "swe_replay:s1"]}}})
+    )
+    rows, pool, _ = select(_args(heldout=str(ft), tasks=1), saved)
+    assert {(r["workload"], r["task"]) for r in rows} == {("tool_replay", "a1"), ("swe_replay", "s1")}
+    assert all(ids[0] != sum(map(ord, t)) for _, ids in pool for t in ("a1", "a3", "s1"))
+    # the target's own completions as the corpus: only those of tasks not held out
+    st = Store(str(tmp_path / "col"))
+    for t, ids in (("a1", [11, 12]), ("a2", [21, 22]), ("s2", [31, 32])):
+        w = "swe_replay" if t.startswith("s") else "tool_replay"
+        st.write_rows([_trace(t, w, ids)], "traces", w, f"e-{t}.parquet")
+    st.clean_tmp()
+    _, pool, what = select(_args(heldout=str(ft), corpus_traces=str(tmp_path / "col")), saved)
+    assert sorted(ids for _, ids in pool) == [[21, 22], [31, 32]] and "own completions" in what
+    # a fine-tune of other conversations leaves nothing to measure: said, not an empty table
+    ft.write_text(json.dumps({"groups": {"all": {"test_tasks": ["tool_replay:zz"]}}}))
+    with pytest.raises(SystemExit, match="no turn of a held-out task"):
+        select(_args(heldout=str(ft)), saved)
