@@ -132,6 +132,47 @@ def test_requests_through_the_proxy_are_recorded_once_with_the_servers_tau(stack
     assert got == rounds
 
 
+def test_responses_and_chat_clients_share_the_proxy_with_no_cooldown(stack):
+    """The Agents SDK's default model calls /v1/responses: through the proxy it reaches the backend's Responses
+    API, beside chat clients at the same time, and is recorded with the backend's τ under the backend's id. An
+    endpoint the backend lacks answers 404 and puts nothing in cooldown (every other client would get 429)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["proxy"] + "/v1", api_key=KEY, max_retries=0)
+    lacking = urllib.request.Request(
+        stack["proxy"] + "/v1/embeddings",
+        json.dumps({"model": "smol", "input": "x"}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(lacking, timeout=60)
+    assert e.value.code == 404
+    before = len(_rows(stack["cfg"].db))
+
+    def responses(stream: bool):
+        kw = dict(model="smol", input="Name a colour.", max_output_tokens=16, temperature=0)
+        if stream:
+            return list(client.responses.create(stream=True, **kw))[-1].response
+        return client.responses.create(**kw)
+
+    def chat(_):
+        msgs = [{"role": "user", "content": "Name a colour."}]
+        return client.chat.completions.create(model="smol", messages=msgs, max_tokens=16, temperature=0)
+
+    with ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(responses, False), pool.submit(responses, True), pool.submit(chat, 0), pool.submit(chat, 1)]
+        got = [j.result() for j in jobs]  # none raises: no 429, no cooldown
+    texts = {r.output_text for r in got[:2]} | {c.choices[0].message.content for c in got[2:]}
+    assert len(texts) == 1  # greedy: the same words on both surfaces
+    rows = _wait_rows(stack["cfg"].db, before + 4)[before:]
+    assert len(rows) == 4 and all(r["tau"] and r["source"] == "backend_record" for r in rows)
+    for r in rows:  # each under the backend's own id, whatever id LiteLLM gave the client
+        own = json.loads(urllib.request.urlopen(f"{stack['server']}/v1/dspine/requests/{r['request_id']}").read())
+        assert r["accept_hist"] == own["spec"]["spec_correct_drafts_histogram"]
+
+
 def test_agent_traffic_through_the_proxy_exports_as_traces(stack, smollm2, tmp_path):
     """Requests with metadata.workload are stored with the backend's exact token ids (streamed ones too) and
     `dspine traces export` turns them into the training format agents/collect write."""

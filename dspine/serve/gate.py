@@ -3,12 +3,13 @@
 LiteLLM parses a request body leniently (a body it cannot read becomes `{}`, a form is read as fields) and
 turns what its provider code trips over into 500s, so a malformed request through the proxy used to answer
 "Missing required parameter 'messages'" or an internal error. The gate is a pure ASGI middleware in front of
-LiteLLM's app for the OpenAI completion routes: a POST without the master key answers 401 (LiteLLM would parse
-the body first and could answer 500); one with it is read whole, parsed by the server's own functions
-(protocol.read_json, protocol.parse_request) and, when bad, answered with the same 4xx and message the server
-would give, before LiteLLM runs (fields a backend may or may not implement, such as `logit_bias`, are left
-to the backend); an unknown model answers 404 as the server does. A good body goes on
-unchanged, its Content-Type made application/json (a JSON body sent as a form by `curl -d` is still JSON).
+LiteLLM's app for the OpenAI completion routes (chat, text and the Responses API): a POST without the master key
+answers 401 (LiteLLM would parse the body first and could answer 500); one with it is read whole, parsed by the
+server's own functions (protocol.read_json, responses.to_chat, protocol.parse_request) and, when bad, answered
+with the same 4xx and message the server would give, before LiteLLM runs (fields a backend may or may not
+implement, such as `logit_bias`, are left to the backend); an unknown model answers 404 as the server does. A good
+body goes on unchanged, its Content-Type made application/json (a JSON body sent as a form by `curl -d` is still
+JSON).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ import os
 from dspine.serve.protocol import RequestInvalid, error_body, parse_request, read_json
 
 KEY_REFUSED = "invalid or missing proxy key (Authorization: Bearer <key>)"
-CHAT_PATHS = {"/v1/chat/completions": True, "/chat/completions": True, "/v1/completions": False, "/completions": False}
+# the gated routes -> what their body is: a chat request, a text completion, or a Responses request (serve.responses)
+GATED = {
+    "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/completions": "completions",
+    "/v1/responses": "responses",
+    "/responses": "responses",
+}
 MAX_BODY = 32 * 2**20
 
 
@@ -30,11 +39,14 @@ def key_matches(given: str | None, key: str | None = None) -> bool:
     return bool(key) and hmac.compare_digest((given or "").encode(), key.encode())
 
 
-def check_body(raw: bytes, content_type: str, chat: bool, models: set[str]) -> tuple[int, dict] | None:
-    """A request body the proxy would pass on -> None, or (status, OpenAI error body)."""
+def check_body(raw: bytes, content_type: str, kind: str, models: set[str]) -> tuple[int, dict] | None:
+    """A request body (of a GATED kind) the proxy would pass on -> None, or (status, OpenAI error body)."""
+    from dspine.serve.responses import to_chat
+
     try:
         doc = read_json(raw, content_type)
-        parse_request(doc, chat, refuse_unsupported=False)  # the backend decides what it implements
+        body = to_chat(doc) if kind == "responses" else doc
+        parse_request(body, kind != "completions", refuse_unsupported=False)  # the backend decides what it implements
         if not isinstance(doc.get("model"), str):
             raise RequestInvalid(f"'model' is required: one of {sorted(models)}", "model")
     except RequestInvalid as e:
@@ -58,9 +70,9 @@ class RequestGate:
         return key_matches(given, self.key)
 
     async def __call__(self, scope, receive, send):
-        chat = CHAT_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        kind = GATED.get(scope.get("path", "")) if scope["type"] == "http" else None
         headers = dict(scope.get("headers") or [])
-        if chat is None or scope["method"] != "POST":
+        if kind is None or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         if not self._authenticated(headers):
             return await _answer(send, 401, error_body(KEY_REFUSED, 401, "api_key"))
@@ -73,7 +85,7 @@ class RequestGate:
             more = msg.get("more_body", False)
             if len(raw) > MAX_BODY:
                 return await _answer(send, 413, error_body(f"the request body is over {MAX_BODY} bytes", 413))
-        bad = check_body(raw, headers.get(b"content-type", b"").decode("latin-1").lower(), chat, self.models)
+        bad = check_body(raw, headers.get(b"content-type", b"").decode("latin-1").lower(), kind, self.models)
         if bad is not None:
             return await _answer(send, *bad)
         fixed = {**headers, b"content-type": b"application/json", b"content-length": str(len(raw)).encode()}

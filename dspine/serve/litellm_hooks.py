@@ -61,9 +61,18 @@ def acceptance_from_response(resp) -> dict | None:
 
 
 class DSpineLogger(CustomLogger):
-    def __init__(self, db: str, metrics_port: int = 0, fetch_timeout_s: float = 10.0, routes: dict | None = None):
+    def __init__(
+        self,
+        db: str,
+        metrics_port: int = 0,
+        fetch_timeout_s: float = 10.0,
+        routes: dict | None = None,
+        api_bases: dict | None = None,
+    ):
         super().__init__()
         self.routes = routes or {}  # WORKLOAD or WORKLOAD/LEVEL -> backend name (ProxyConfig.routes)
+        # backend name -> its OpenAI base, where its records are asked for
+        self.api_bases = api_bases or {}
         self.store = AcceptanceStore(db)
         self.metrics = _metrics(metrics_port)
         self.fetch_timeout_s = fetch_timeout_s
@@ -74,6 +83,7 @@ class DSpineLogger(CustomLogger):
             os.environ["DSPINE_PROXY_DB"],
             int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0),
             routes=json.loads(os.environ.get("DSPINE_PROXY_ROUTES") or "{}"),
+            api_bases=json.loads(os.environ.get("DSPINE_PROXY_API_BASES") or "{}"),
         )
 
     async def async_pre_call_hook(self, user_api_key_dict, cache, data: dict, call_type):
@@ -135,8 +145,10 @@ class DSpineLogger(CustomLogger):
         md = lp.get("metadata") or {}
         user_md = md.get("requester_metadata") or md
         opt = kwargs.get("optional_params") or {}
-        rid = getattr(response_obj, "id", None)
-        backend = await self._backend_record(lp.get("api_base"), rid)
+        rid = backend_id(getattr(response_obj, "id", None))
+        group = md.get("model_group") or kwargs.get("model")
+        # the backend's configured base (LiteLLM's api_base of a Responses call ends in /responses)
+        backend = await self._backend_record(self.api_bases.get(group) or lp.get("api_base"), rid)
         spec, source = None, None
         if backend is not None:
             spec, source = backend.get("spec"), "backend_record"
@@ -148,15 +160,17 @@ class DSpineLogger(CustomLogger):
         b = backend or {}
         rec = RequestRecord(
             request_id=rid or kwargs.get("litellm_call_id"),
-            model=str(md.get("model_group") or kwargs.get("model")),
+            model=str(group),
             drafter=b.get("drafter"),
             method=b.get("method"),
             workload=str(user_md.get("workload") or b.get("workload") or "default"),
             thinking=str(b.get("thinking") or opt.get("reasoning_effort") or user_md.get("thinking") or "none"),
             stream=bool(kwargs.get("stream") or opt.get("stream")),
             # the backend's own counts where it has them (LiteLLM estimates a stream the client abandoned)
-            prompt_tokens=b.get("prompt_tokens", getattr(usage, "prompt_tokens", None)),
-            completion_tokens=b.get("completion_tokens", getattr(usage, "completion_tokens", None)),
+            prompt_tokens=b.get("prompt_tokens", getattr(usage, "prompt_tokens", getattr(usage, "input_tokens", None))),
+            completion_tokens=b.get(
+                "completion_tokens", getattr(usage, "completion_tokens", getattr(usage, "output_tokens", None))
+            ),
             accept_hist=hist,
             latency_s=(end_time - start_time).total_seconds(),
             source=source,
@@ -187,6 +201,19 @@ class DSpineLogger(CustomLogger):
         self.metrics.observe(rec)
         if hist is None and (rec.drafter is not None or backend is None):
             self.metrics.lost.labels(model=rec.model).inc()
+
+
+def backend_id(rid: str | None) -> str | None:
+    """The backend's own id of a response: LiteLLM hands Responses API answers out under an id of its own
+    (`resp_` + base64 of provider, deployment and the backend's id; a stream's encrypted as well), which the
+    backend's records do not know."""
+    if not rid or not rid.startswith("resp_"):
+        return rid
+    from litellm.proxy.hooks.responses_id_security import decrypted_response_id
+    from litellm.responses.utils import ResponsesAPIRequestUtils
+
+    rid = decrypted_response_id(rid)  # a stream's id is encrypted with the proxy's key first
+    return ResponsesAPIRequestUtils.decode_responses_api_response_id(rid).get("response_id") or rid
 
 
 def _unreachable(e: BaseException) -> bool:

@@ -104,6 +104,9 @@ def litellm_config(cfg: ProxyConfig) -> dict:
             "num_retries": 0,
             "request_timeout": cfg.timeout_s,
         },
+        # each model name has one backend: a failure (an endpoint the backend lacks, a 404) never cools it down,
+        # which would answer every other client 429 until the cooldown ends
+        "router_settings": {"disable_cooldowns": True},
         "general_settings": {"master_key": f"os.environ/{KEY_ENV}", "custom_auth": f"{CALLBACKS_MODULE}.auth"},
     }
 
@@ -135,6 +138,7 @@ def proxy_env(cfg: ProxyConfig, key: str) -> dict:
             "DSPINE_PROXY_METRICS_PORT": str(cfg.metrics_port),
             "DSPINE_PROXY_MODELS": ",".join(b.name for b in cfg.backends),
             "DSPINE_PROXY_ROUTES": json.dumps(cfg.routes),
+            "DSPINE_PROXY_API_BASES": json.dumps({b.name: b.api_base for b in cfg.backends}),
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "LITELLM_TELEMETRY": "False",
             "PYTHONPATH": os.pathsep.join(

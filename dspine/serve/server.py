@@ -1,6 +1,7 @@
 """`dspine serve`: an OpenAI-compatible HTTP server over the embedded engine, answering in SGLang's shape.
 
-Endpoints: /v1/chat/completions and /v1/completions (streaming and not), /v1/models, /health, /metrics
+Endpoints: /v1/chat/completions, /v1/responses (the Responses API over the chat path: serve.responses) and
+/v1/completions (streaming and not), /v1/models, /health, /metrics
 (Prometheus), and /v1/dspine/requests/{id} (the acceptance record of a finished request, the channel a proxy
 callback reads for streamed requests, whose extra fields LiteLLM drops). Binds 127.0.0.1 by default.
 
@@ -148,28 +149,43 @@ def swap_request(service: Service, authorization: str | None, raw: bytes) -> dic
         raise BadRequest(f"drafter refused: {e}", param="drafter") from None
 
 
-async def complete(request, service: Service, chat: bool):
-    """One completion request: parse, admit, then stream or answer whole."""
+async def complete(request, service: Service, chat: bool, responses: bool = False):
+    """One completion request: parse, admit, then stream or answer whole. `responses`: a Responses API request,
+    decoded as the chat request it translates to (serve.responses) and answered in the Responses shape."""
     from fastapi.responses import JSONResponse, StreamingResponse
+
+    from dspine.serve.protocol import RequestInvalid
+    from dspine.serve.responses import response_object, stream_events, to_chat
 
     try:
         raw = await read_body(request, service.cfg.max_body_bytes)
-        req = service.parse(read_json(raw, request.headers.get("content-type", "").lower()), chat)
+        body = read_json(raw, request.headers.get("content-type", "").lower())
+        if responses:
+            try:
+                body, asked = to_chat(body), body
+            except RequestInvalid as e:
+                raise BadRequest(str(e), param=e.param) from None
+        req = service.parse(body, chat)
+        if responses and req.n != 1:
+            raise BadRequest("'n' must be 1 on /v1/responses (one output per response)", param="n")
         service.admit()
     except BadRequest as e:
         return error_response(service, e)
+    headers = {"x-dspine-request-id": req.id}
     if req.stream:  # the stream releases its place when it ends
         streams = [Stream(service, req, chat, i) for i in range(req.n)]
-        return StreamingResponse(
-            sse(request, service, streams), media_type="text/event-stream", headers={"x-dspine-request-id": req.id}
-        )
+        events = sse(request, service, streams)
+        if responses:
+            events = stream_events(events, asked, service.cfg.model_name)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     try:
         rec, results = await run_watched(request, service, req)
     except BadRequest as e:
         return error_response(service, e)
     finally:
         service.release()
-    return JSONResponse(service.response(req, rec, results, chat), headers={"x-dspine-request-id": rec.request_id})
+    doc = service.response(req, rec, results, chat)
+    return JSONResponse(response_object(doc, asked) if responses else doc, headers=headers)
 
 
 async def read_body(request, limit: int) -> bytes:
@@ -193,6 +209,40 @@ def probe(h: dict, key: str):
     return JSONResponse(h, status_code=200 if h[key] else 503)
 
 
+def dspine_routes(app, service: Service) -> None:
+    """dspine's own routes: the drafter (read, hot swap) and the finished requests' records."""
+    from fastapi import Request
+
+    def error(e: BadRequest):
+        return error_response(service, e)
+
+    @app.get("/v1/dspine/drafter")
+    async def drafter_info():
+        return service.drafters()
+
+    @app.post("/v1/dspine/drafter")
+    async def drafter_swap(request: Request):  # {"drafter": FOLDER | "none", "name", "route", "remove": optional}
+        from starlette.concurrency import run_in_threadpool
+
+        try:
+            return await run_in_threadpool(
+                swap_request, service, request.headers.get("authorization"), await request.body()
+            )
+        except BadRequest as e:
+            return error(e)
+
+    @app.get("/v1/dspine/requests")
+    async def recent(limit: int = 20):  # the latest finished requests' records, newest first
+        return {"data": [r.to_json() for r in list(service.records.values())[-max(1, min(limit, 1000)) :][::-1]]}
+
+    @app.get("/v1/dspine/requests/{rid}")
+    async def record(rid: str):
+        rec = service.records.get(rid)
+        if rec is None:
+            return error(BadRequest(f"no finished request {rid!r}", status=404))
+        return rec.to_json()
+
+
 def create_app(service: Service):
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse
@@ -212,13 +262,19 @@ def create_app(service: Service):
     def error(e: BadRequest):
         return error_response(service, e)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await complete(request, service, True)
+    def completion_route(chat: bool, responses: bool):
+        async def route(request: Request):
+            return await complete(request, service, chat, responses)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await complete(request, service, False)
+        return route
+
+    # chat completions, the Responses API over the chat path (serve.responses), text completions
+    for path, chat, responses in (
+        ("chat/completions", True, False),
+        ("responses", True, True),
+        ("completions", False, False),
+    ):
+        app.add_api_route(f"/v1/{path}", completion_route(chat, responses), methods=["POST"])
 
     @app.get("/v1/models")
     async def models():
@@ -239,21 +295,6 @@ def create_app(service: Service):
             ],
         }
 
-    @app.get("/v1/dspine/drafter")
-    async def drafter_info():
-        return service.drafters()
-
-    @app.post("/v1/dspine/drafter")
-    async def drafter_swap(request: Request):  # {"drafter": FOLDER | "none", "name", "route", "remove": optional}
-        from starlette.concurrency import run_in_threadpool
-
-        try:
-            return await run_in_threadpool(
-                swap_request, service, request.headers.get("authorization"), await request.body()
-            )
-        except BadRequest as e:
-            return error(e)
-
     @app.get("/health")
     async def health():  # liveness: 503 when the decode loop died or stalled
         return probe(service.health(), "live")
@@ -266,17 +307,7 @@ def create_app(service: Service):
     async def metrics():
         return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/dspine/requests")
-    async def recent(limit: int = 20):  # the latest finished requests' records, newest first
-        return {"data": [r.to_json() for r in list(service.records.values())[-max(1, min(limit, 1000)) :][::-1]]}
-
-    @app.get("/v1/dspine/requests/{rid}")
-    async def record(rid: str):
-        rec = service.records.get(rid)
-        if rec is None:
-            return error(BadRequest(f"no finished request {rid!r}", status=404))
-        return rec.to_json()
-
+    dspine_routes(app, service)
     return app
 
 
