@@ -172,9 +172,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def stop_backend(state: dict, timeout: float = 60) -> None:
-    """Stop a backend deploy started (its whole process group: SGLang's scheduler and detokenizer too)."""
+def stop_backend(state: dict, timeout: float = 60, child: bool = False) -> None:
+    """Stop a backend deploy started (its whole process group: SGLang's scheduler and detokenizer too) — only if
+    its PID is still that process (start time and command line as saved) and leads its group: a saved state that
+    outlived its process never signals whatever took the number since. `child`: the PID is this process's own
+    unreaped child (a number nothing else can have taken), stopped without the check."""
+    from dspine.process import same_process
+
     pid = state["pid"]
+    try:
+        leader = os.getpgid(pid) == pid
+    except OSError:
+        return  # gone
+    if not leader or not (child or same_process(pid, state.get("identity"))):
+        return
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):
         try:
             os.killpg(pid, sig)
@@ -196,7 +207,7 @@ def start_backend(cfg: DeployConfig, command: str, state_path: Path, drafter: st
     """Start `command` detached (its own session, log beside the state), record it, wait until /v1/models
     answers -> the state; a process that exits or stays silent past ready_timeout_s is stopped (DeployError)."""
     from dspine.io import atomic_write_text
-    from dspine.process import wait_http
+    from dspine.process import process_identity, wait_http
 
     log = state_path.with_name(state_path.stem + ".log")
     with open(log, "ab") as out:
@@ -206,8 +217,10 @@ def start_backend(cfg: DeployConfig, command: str, state_path: Path, drafter: st
     try:
         wait_http(cfg.endpoint.rstrip("/") + "/v1/models", proc, cfg.ready_timeout_s)
     except RuntimeError as e:
-        stop_backend(state)  # its whole group: wait_http stops only the leader
+        stop_backend(state, child=True)  # its whole group: wait_http stops only the leader
         raise DeployError(f"the backend did not come up ({e}); see {log}") from None
+    state["identity"] = process_identity(proc.pid)  # once up (past any exec): what stop_backend checks
+    atomic_write_text(state_path, json.dumps(state))
     return state
 
 
@@ -243,7 +256,7 @@ def _restart(cfg: DeployConfig, doc: dict, group: str, entry: dict, gated: float
         entry["action"] = "deployed"
         return entry
     if new is not None:
-        stop_backend(new)
+        stop_backend(new, child=True)
     if prev is not None:
         start_backend(cfg, prev["command"], state_path, prev["drafter"])
     elif state_path.is_file():

@@ -1,4 +1,5 @@
-"""Child processes on 127.0.0.1: a free port, and waiting until a server answers (or its process exits)."""
+"""Child processes on 127.0.0.1: a free port, waiting until a server answers (or its process exits), and telling
+whether a PID saved earlier is still the process that was started (not a later one that took its number)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,22 @@ def wait_http(url: str, proc, seconds: float = 120) -> None:
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"{url} did not come up within {seconds:.0f} s")
+
+
+def process_identity(pid: int) -> dict | None:
+    """What tells a process apart from a later one with the same PID: its start time (clock ticks after boot) and
+    its command line, from /proc; None where the process is gone (or /proc is absent)."""
+    from pathlib import Path
+
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, starttime field 22
+    return {"start_ticks": int(fields[19]), "cmdline": cmdline.decode(errors="replace").split("\0")[:-1]}
+
+
+def same_process(pid: int, identity: dict | None) -> bool:
+    """Whether `pid` is still the process whose process_identity was saved (False when gone or replaced)."""
+    return identity is not None and process_identity(pid) == identity

@@ -377,3 +377,36 @@ def test_restart_deploy_starts_the_adapted_backend_and_falls_back(server, tmp_pa
     ):
         with pytest.raises(ConfigError, match=msg):
             DeployConfig(**bad).validate()
+
+
+def test_a_saved_backend_pid_is_signalled_only_while_it_is_that_process():
+    """deploy stops a backend it started from a saved state (backend.json) only if the PID is still that process
+    — the same start time and command line — and leads its own group; a PID taken since, a state without an
+    identity, or a process in someone else's group are left alone."""
+    import subprocess
+    import sys
+
+    from dspine.adapt.deployment import stop_backend
+    from dspine.process import process_identity
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    own = subprocess.Popen(sleeper, start_new_session=True)
+    shared = subprocess.Popen(sleeper)  # in this process's group: killpg there would hit the caller too
+    try:
+        ident = process_identity(own.pid)
+        assert ident["cmdline"] == sleeper and ident["start_ticks"] > 0
+        for saved in (
+            {"pid": own.pid, "identity": {**ident, "start_ticks": ident["start_ticks"] - 1}},  # reused since
+            {"pid": own.pid, "identity": {**ident, "cmdline": ["sglang"]}},
+            {"pid": own.pid},  # saved before identities were recorded
+            {"pid": shared.pid, "identity": process_identity(shared.pid)},
+        ):
+            stop_backend(saved, timeout=2)
+            time.sleep(0.3)
+            assert own.poll() is None and shared.poll() is None, saved
+        stop_backend({"pid": own.pid, "identity": ident}, timeout=10)
+        assert own.wait(timeout=10) is not None and process_identity(own.pid) is None
+    finally:
+        for p in (own, shared):
+            p.kill()
+            p.wait()

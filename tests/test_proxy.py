@@ -474,14 +474,12 @@ def test_store_summary_orders_levels_fills_gaps_and_splits_drafters(tmp_path):
     assert wide["bucket_s"] == 120 and [x["requests"] for x in wide["series"]] == [3, 0, 0, 2]
 
 
-@pytest.mark.parametrize("name,body,raw,status,needle,ctype", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_through_the_proxy_gets_the_servers_4xx(stack, name, body, raw, status, needle, ctype):
+@pytest.mark.parametrize("name,body,raw,status,needle,ctype,path", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_through_the_proxy_gets_the_servers_4xx(stack, name, body, raw, status, needle, ctype, path):
     """The server's bad-input table sent through the proxy: the same status and words (LiteLLM never answers
     500 or a misleading message), nothing recorded, both processes alive."""
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        stack["proxy"] + "/v1/chat/completions", data, {"Content-Type": ctype, "Authorization": f"Bearer {KEY}"}
-    )
+    req = urllib.request.Request(stack["proxy"] + path, data, {"Content-Type": ctype, "Authorization": f"Bearer {KEY}"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=120)
     text = e.value.read().decode()

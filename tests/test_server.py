@@ -151,9 +151,9 @@ def test_a_requests_time_limit_aborts_it_and_keeps_its_record(server):
     assert rec["finish_reason"] == "abort" and 0 < rec["completion_tokens"] < 1500 and rec["latency_s"] >= 2
 
 
-@pytest.mark.parametrize("name,body,raw,status,needle,ctype", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_is_refused_and_server_stays_up(server, name, body, raw, status, needle, ctype):
-    got, text, _ = post(server, "/v1/chat/completions", body, raw, ctype)
+@pytest.mark.parametrize("name,body,raw,status,needle,ctype,path", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_refused_and_server_stays_up(server, name, body, raw, status, needle, ctype, path):
+    got, text, _ = post(server, path, body, raw, ctype)
     assert got == status, text
     err = json.loads(text)["error"]
     assert needle in err["message"] and err["type"]

@@ -58,7 +58,7 @@ _FIELDS = {
     "prompt",
     "max_tool_calls",
 }
-_PASS_ON = {"seed", "return_token_ids", "return_spec_tokens_details", "return_meta_info", "stop", "timeout", "n"}
+_PASS_ON = {"seed", "return_token_ids", "return_spec_tokens_details", "return_meta_info", "stop", "timeout"}
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 _NO_STATE = "this server keeps no conversations: send the whole conversation as `input`"
 
@@ -148,10 +148,8 @@ def _tools(tools) -> list[dict]:
     return out
 
 
-def to_chat(body) -> dict:
-    """A Responses request body -> the chat-completions body that decodes it; RequestInvalid naming what is wrong."""
-    if not isinstance(body, dict):
-        raise RequestInvalid("the body must be a JSON object")
+def _check_fields(body: dict) -> None:
+    """Fields refused before any translation: unknown ones, server state, formats and values it cannot take."""
     unknown = sorted(set(body) - _FIELDS - _PASS_ON)
     if unknown:
         raise RequestInvalid(f"unknown parameter(s) {unknown}", unknown[0])
@@ -162,13 +160,23 @@ def to_chat(body) -> dict:
         raise RequestInvalid(
             "'background' is not supported: responses are answered while the request is open", "background"
         )
-    fmt = (
-        ((body.get("text") or {}).get("format") or {}).get("type", "text")
-        if isinstance(body.get("text"), dict)
-        else "text"
-    )
+    text = body.get("text")
+    fmt = ((text.get("format") or {}).get("type", "text")) if isinstance(text, dict) else "text"
     if fmt != "text":
         raise RequestInvalid(f"text.format {fmt!r} is not supported (text only)", "text")
+    limit = body.get("max_output_tokens")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise RequestInvalid("'max_output_tokens' must be a positive integer", "max_output_tokens")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not (isinstance(reasoning, dict) and set(reasoning) <= {"effort", "summary"}):
+        raise RequestInvalid("'reasoning' must be an object {effort, summary}", "reasoning")
+
+
+def to_chat(body) -> dict:
+    """A Responses request body -> the chat-completions body that decodes it; RequestInvalid naming what is wrong."""
+    if not isinstance(body, dict):
+        raise RequestInvalid("the body must be a JSON object")
+    _check_fields(body)
     chat = {"messages": _messages(body.get("input"), body.get("instructions"))}
     for src, dst in (
         ("model", "model"),
@@ -192,7 +200,7 @@ def to_chat(body) -> dict:
         choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None:
         chat["tool_choice"] = choice
-    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
+    effort = (body.get("reasoning") or {}).get("effort")
     if effort is not None:
         chat["reasoning_effort"] = effort
     if chat.get("stream"):
