@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     for k, r in enumerate(rows):
         for m in methods:
             before = forwards[0]
-            res = engines[m].generate(r["ids"], params, profile=True)
+            res = engines[m].generate(r["ids"], params, profile=True, workload=r["workload"])
             pre = res.timings.get("prefill", 0.0)
             if a.device != "cpu":
                 torch.cuda.synchronize()

@@ -138,14 +138,22 @@ class Engine:
         on_token=None,
         profile: bool = False,
         forced: list[int] | None = None,
+        workload: str = "default",
     ) -> GenerationResult:
         """One request: a one-row BatchDecode run to its end. `on_token(token_id)` sees every committed token as
         it is committed; returning False aborts. `profile` fills `timings` (seconds per phase: prefill, draft,
         propose, verify, commit, ar_step), with a device sync at each boundary — slower, for benchmarks only.
         `forced`: a given continuation (another engine's greedy output, e.g. SGLang's) stands in for the
-        target's choices, so the drafter's τ is measured on exactly that text (greedy only)."""
+        target's choices, so the drafter's τ is measured on exactly that text (greedy only). `workload`: whose
+        part of the suffix corpus drafts for it."""
         run = BatchDecode(
-            self, [prompt], params, [on_token], forced=[forced] if forced is not None else None, profile=profile
+            self,
+            [prompt],
+            params,
+            [on_token],
+            forced=[forced] if forced is not None else None,
+            profile=profile,
+            workloads=[workload],
         )
         while not run.done:
             run.step()

@@ -103,6 +103,11 @@ def test_swap_under_load_drops_nothing_and_refuses_bad_checkpoints(server):
     ar = [chat(base, p) for p in prompts]
     assert [t for t, _ in before] == [t for t, _ in ar] == [t for t, _ in after]
     assert {d for _, d in ar} == {None}
+    # 'builtin', as `dspine serve --drafter builtin` takes it: the drafter shipped for the served target
+    from dspine.drafters import builtin_drafter
+
+    status, swap = call(base, "/v1/dspine/drafter", {"drafter": "builtin"}, KEY)
+    assert status == 200 and swap["current"]["path"] == str(builtin_drafter("smollm2-135m-instruct"))
 
 
 def test_deploy_gates_checks_live_acceptance_and_rolls_back(server, tmp_path):

@@ -50,6 +50,7 @@ def stack(tmp_path_factory, smollm2_drafters):
             db=str(tmp / "acceptance.db"),
             metrics_port=free_port(),
             workdir=str(tmp / "litellm"),
+            body_timeout_s=3.0,
         )
         with open(tmp / "litellm.log", "w") as log:
             proc = start_proxy(cfg, key=KEY, log=log)
@@ -173,6 +174,86 @@ def test_responses_and_chat_clients_share_the_proxy_with_no_cooldown(stack):
         assert r["accept_hist"] == own["spec"]["spec_correct_drafts_histogram"]
 
 
+def test_a_bom_or_utf16_body_reads_the_same_through_the_proxy(stack):
+    """A body with a UTF-8 byte-order mark, or in UTF-16, is JSON the server reads: through the proxy it is read
+    alike and answered with the same text (it used to be a 400 there and a 200 from the server)."""
+    body = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    texts = set()
+    for base, model in ((stack["server"], "smol-backend"), (stack["proxy"], "smol")):
+        text = json.dumps({**body, "model": model})
+        for raw in (b"\xef\xbb\xbf" + text.encode(), text.encode("utf-16")):
+            req = urllib.request.Request(
+                base + "/v1/chat/completions",
+                raw,
+                {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+            )
+            with urllib.request.urlopen(req, timeout=120) as r:
+                texts.add(json.loads(r.read())["choices"][0]["message"]["content"])
+    assert len(texts) == 1
+
+
+def test_a_streamed_reply_through_the_proxy_carries_its_usage(stack):
+    """The server always ends a stream with its usage; through the proxy it comes too, without stream_options."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["proxy"] + "/v1", api_key=KEY)
+    kw = dict(model="smol", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, temperature=0)
+    whole = client.chat.completions.create(**kw).usage
+    usage = [c.usage for c in client.chat.completions.create(stream=True, **kw) if c.usage]
+    assert usage and (usage[-1].prompt_tokens, usage[-1].completion_tokens) == (
+        whole.prompt_tokens,
+        whole.completion_tokens,
+    )
+
+
+def test_a_body_that_never_arrives_whole_gets_408_from_the_proxy(stack):
+    """A Content-Length larger than what is sent holds a proxy connection only until --body-timeout (3 s here)."""
+    import socket
+
+    host, port = stack["proxy"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n".encode())
+        s.sendall(b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model": ')
+        t0, answer = time.time(), s.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 408") and "did not arrive within 3 s" in answer, answer
+    assert time.time() - t0 < 15
+    assert urllib.request.urlopen(stack["proxy"] + "/health/liveliness", timeout=30).status == 200
+
+
+def test_a_client_that_gives_up_through_the_proxy_aborts_the_backend(stack):
+    """A client timeout through the proxy (the OpenAI client's timeout=1, no retries) aborts the backend's decode
+    at its next round: the backend's record says abort after a fraction of max_tokens, and the proxy records no
+    success. A request's own `timeout` field limits the decode as it does on the server (finish_reason abort)."""
+    import openai
+
+    def server_records() -> dict:
+        data = json.loads(urllib.request.urlopen(stack["server"] + "/v1/dspine/requests?limit=1000").read())["data"]
+        return {r["request_id"]: r for r in data}
+
+    before, rows = server_records(), len(_rows(stack["cfg"].db))
+    ask = dict(model="smol", max_tokens=1500, temperature=0, extra_body={"ignore_eos": True})
+    msgs = [{"role": "user", "content": "Count from 1 to 1000."}]
+    impatient = openai.OpenAI(base_url=stack["proxy"] + "/v1", api_key=KEY, max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(messages=msgs, **ask)
+    deadline, new = time.time() + 60, []
+    while not new and time.time() < deadline:
+        new = [r for rid, r in server_records().items() if rid not in before]
+        time.sleep(0.25)
+    assert len(new) == 1 and new[0]["finish_reason"] == "abort" and new[0]["completion_tokens"] < 300, new
+    time.sleep(1.0)
+    assert len(_rows(stack["cfg"].db)) == rows  # the client got nothing: no success recorded
+    patient = openai.OpenAI(base_url=stack["proxy"] + "/v1", api_key=KEY, max_retries=0)
+    t0 = time.time()
+    out = patient.chat.completions.create(messages=msgs, **{**ask, "extra_body": {"ignore_eos": True, "timeout": 1}})
+    assert out.choices[0].finish_reason == "abort" and out.usage.completion_tokens < 1500 and time.time() - t0 < 30
+
+
 def test_agent_traffic_through_the_proxy_exports_as_traces(stack, smollm2, tmp_path):
     """Requests with metadata.workload are stored with the backend's exact token ids (streamed ones too) and
     `dspine traces export` turns them into the training format agents/collect write."""
@@ -283,6 +364,23 @@ def test_the_proxy_refuses_a_missing_or_wrong_key(stack):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 401
+    # LiteLLM's routes that would skip the gate (the model in the path) and its admin UI: closed, key or not
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    for method, path in (
+        ("POST", "/openai/deployments/smol/chat/completions?api-version=2024-06-01"),
+        ("POST", "/engines/smol/chat/completions"),
+        ("GET", "/ui"),
+        ("GET", "/ui/"),
+    ):
+        req = urllib.request.Request(
+            stack["proxy"] + path,
+            body if method == "POST" else None,
+            {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+            method=method,
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 404 and "not served by dspine proxy" in e.value.read().decode(), path
     time.sleep(1.0)
     assert len(_rows(stack["cfg"].db)) == before_rows and _server_requests(stack["server"]) == before_server
 
@@ -577,3 +675,80 @@ def test_routes_send_a_workload_to_its_backend(stack):
     assert parse_route("swe/high=smol") == ("swe/high", "smol")
     with pytest.raises(ConfigError, match="WORKLOAD"):
         parse_route("swe")
+
+
+def test_a_port_left_in_time_wait_is_free_for_a_restart():
+    """A proxy stopped with connections open leaves its port in TIME_WAIT: a restart on the same port is allowed
+    (as uvicorn binds it, SO_REUSEADDR); a port someone listens on is still busy."""
+    import socket
+
+    from dspine.config import ConfigError
+    from dspine.serve.proxy import check_port_free
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    conn.close()  # the server's side closes first: its port goes to TIME_WAIT
+    time.sleep(0.2)
+    client.close()
+    srv.close()
+    with socket.socket() as plain:  # what the old check did: refused
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+    check_port_free("127.0.0.1", port, "port")
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        with pytest.raises(ConfigError, match="is busy"):
+            check_port_free("127.0.0.1", port, "port")
+
+
+def test_sigterm_of_the_proxy_during_streams_keeps_every_row_and_a_restart_takes_the_port(stack, tmp_path):
+    """SIGTERM while four streams decode: the streams finish, every one is recorded before the proxy exits, and a
+    proxy started again at once on the same port comes up (the old one's connections are in TIME_WAIT)."""
+    import threading
+
+    from openai import OpenAI
+
+    from dspine.serve.proxy import Backend, ProxyConfig, start_proxy, stop_proxy
+
+    cfg = ProxyConfig(
+        backends=[Backend("smol", stack["server"] + "/v1", "smol-backend")],
+        port=free_port(),
+        db=str(tmp_path / "drain.db"),
+        workdir=str(tmp_path / "litellm"),
+    )
+    proc = start_proxy(cfg, key=KEY, log=open(tmp_path / "proxy.log", "w"))
+    client = OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key=KEY, max_retries=0)
+    started, ended = [], []
+
+    def stream(i):
+        msgs = [{"role": "user", "content": f"Count from {i} to {i + 40}."}]
+        chunks = client.chat.completions.create(model="smol", messages=msgs, max_tokens=40, temperature=0, stream=True)
+        for k, c in enumerate(chunks):
+            if k == 0:
+                started.append(c.id)
+        ended.append(i)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.time() + 120
+        while len(started) < 4 and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(started) == 4
+        assert stop_proxy(proc, timeout=120) is not None  # SIGTERM to the group, then wait for it to exit
+        for t in threads:
+            t.join(120)
+        assert sorted(ended) == [0, 1, 2, 3]
+        assert sorted(r["request_id"] for r in AcceptanceStore(cfg.db).rows()) == sorted(started)
+        proc = start_proxy(cfg, key=KEY, log=open(tmp_path / "proxy2.log", "w"))  # the same port, at once
+        assert client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    finally:
+        stop_proxy(proc)

@@ -137,9 +137,28 @@ def test_completions_models_metrics_and_effort(server):
     high = json.loads(b_high)
     assert high["usage"]["prompt_tokens"] > json.loads(b_none)["usage"]["prompt_tokens"]  # the budget instruction
     assert json.loads(get(server, f"/v1/dspine/requests/{high['id']}"))["thinking"] == "high"
+    status, b_min, _ = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "reasoning_effort": "minimal"})
+    assert (
+        status == 200
+        and json.loads(get(server, f"/v1/dspine/requests/{json.loads(b_min)['id']}"))["thinking"] == "minimal"
+    )
     metrics = get(server, "/metrics")
     assert 'dspine_requests_total{method="dspine",thinking="high",workload="office"} 1.0' in metrics
     assert "dspine_accept_length_bucket" in metrics
+
+
+def test_a_completions_prompt_may_be_token_ids_or_a_list_of_one(server, smollm2):
+    """As OpenAI and SGLang take it: the prompt's token ids, or a list holding one prompt, decode as the text."""
+    text = "The capital of France is"
+    got = []
+    for prompt in (text, smollm2.encode(text), [text], [smollm2.encode(text)]):
+        status, body, _ = post(
+            server, "/v1/completions", {"model": "smol", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        )
+        assert status == 200, body
+        doc = json.loads(body)
+        got.append((doc["choices"][0]["text"], doc["usage"]["prompt_tokens"]))
+    assert len(set(got)) == 1 and got[0][1] == len(smollm2.encode(text))
 
 
 def test_a_requests_time_limit_aborts_it_and_keeps_its_record(server):
@@ -158,6 +177,27 @@ def test_bad_input_is_refused_and_server_stays_up(server, name, body, raw, statu
     err = json.loads(text)["error"]
     assert needle in err["message"] and err["type"]
     assert json.loads(get(server, "/health"))["status"] == "ok"
+
+
+def test_a_long_body_is_tokenized_off_the_event_loop(server):
+    """A 5 MB prompt (under the body limit, over the prompt limit) is read and tokenized in the parser's thread:
+    /health answers throughout, and the prompt is refused by its length."""
+    import threading
+
+    big = {**CHAT, "messages": [{"role": "user", "content": "word " * 1_000_000}]}
+    got = {}
+    sender = threading.Thread(target=lambda: got.update(r=post(server, "/v1/chat/completions", big)))
+    sender.start()
+    worst, polls = 0.0, 0
+    while sender.is_alive():
+        t0 = time.time()
+        assert json.loads(get(server, "/health"))["status"] == "ok"
+        worst, polls = max(worst, time.time() - t0), polls + 1
+        time.sleep(0.05)
+    sender.join()
+    status, text, _ = got["r"]
+    assert status == 400 and "at most 200" in text, text
+    assert polls >= 3 and worst < 1.0, (polls, worst)
 
 
 def test_concurrent_requests_are_batched_and_equal_ar(server, smollm2, smollm2_drafters):
@@ -340,18 +380,27 @@ def _stream(base, body, out: list):
 
 
 def test_limits_disconnects_and_sigterm(tmp_path):
-    """One AR server with room for two requests: a dropped non-streaming request is aborted and recorded, a
-    short request completes while a long stream decodes (it joins at the next round, not after the long one), a
-    third request is refused with 429 + Retry-After while readiness says so, and SIGTERM ends the two open
-    streams (finish_reason abort) within the grace period and exits."""
+    """One AR server with room for two requests: a body that never arrives whole is refused with 408, a dropped
+    non-streaming request is aborted and recorded, a short request completes while a long stream decodes (it joins
+    at the next round, not after the long one), a third request is refused with 429 + Retry-After while readiness
+    says so, and SIGTERM ends the two open streams (finish_reason abort) within the grace period and exits."""
     import signal
     import socket
     import threading
 
     from dspine.serve.server import start_server_process
 
-    proc, base = start_server_process(None, "smol", extra=["--max-queue", "2", "--grace-seconds", "3"])
+    extra = ["--max-queue", "2", "--grace-seconds", "3", "--body-timeout", "2"]
+    proc, base = start_server_process(None, "smol", extra=extra)
     try:
+        # a body shorter than its Content-Length holds the connection only until --body-timeout: 408
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+            s.sendall(b"Content-Length: 1000\r\n\r\n" + json.dumps(CHAT).encode()[:20])
+            t0, answer = time.time(), s.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408") and "--body-timeout" in answer and time.time() - t0 < 10, answer
+        assert json.loads(get(base, "/health"))["admitted"] == 0
         req = urllib.request.Request(
             base + "/v1/completions", json.dumps(LONG).encode(), {"Content-Type": "application/json"}
         )
@@ -486,3 +535,30 @@ def test_a_bad_seed_and_an_oversized_body_hurt_no_one_else(server):
     text = answer.decode(errors="replace")
     assert text.startswith("HTTP/1.1 413") and "max-body-bytes" in text and time.monotonic() - t0 < 1.0
     assert json.loads(get(server, "/health"))
+
+
+def test_a_bug_answers_a_json_500_with_an_id_that_the_log_names(caplog):
+    """An exception no check foresaw (here the request parser itself breaks) is answered in OpenAI's error shape
+    with an id, and the same id is logged with the traceback; the app answers the next request."""
+    import types
+
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry, Counter
+
+    from dspine.serve.server import create_app
+
+    def parse(body, chat):
+        raise RuntimeError("the parser broke")
+
+    errors = Counter("errors", "", ["status"], registry=CollectorRegistry())
+    service = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(max_body_bytes=1 << 20), parse=parse, metrics=types.SimpleNamespace(errors=errors)
+    )
+    client = TestClient(create_app(service), raise_server_exceptions=False)
+    for _ in range(2):
+        r = client.post("/v1/chat/completions", json=CHAT)
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["type"] == "server_error" and err["code"] == "internal_error"
+        eid = err["message"].split("(id ")[1].split(",")[0]
+        assert any(eid in rec.getMessage() and rec.exc_info for rec in caplog.records)
+    assert errors.labels("500")._value.get() == 2

@@ -226,6 +226,20 @@ def test_serving_feeds_the_corpus_and_the_next_request_drafts_from_it(smollm2):
     assert eng.method == "suffix"
 
 
+def test_engine_generate_drafts_from_its_workloads_corpus(smollm2):
+    """Engine.generate(workload=W) drafts from W's part of the corpus (the agent race's turns, each under its own
+    workload); without a workload only the "default" part is read — a corpus filed under workloads adds nothing."""
+    cfg = SuffixConfig()
+    eng = Engine(smollm2, None, suffix=cfg, corpus=SuffixCorpus(cfg, smollm2.info.vocab_size))
+    prompt = smollm2.chat_ids([{"role": "user", "content": CHAT_PROMPTS[3]}])
+    first = eng.generate(prompt, SamplingParams(max_tokens=40))
+    eng.corpus.add(list(first.token_ids), "tool")
+    tool = eng.generate(prompt, SamplingParams(max_tokens=40), workload="tool")
+    plain = eng.generate(prompt, SamplingParams(max_tokens=40))
+    assert tool.token_ids == plain.token_ids == first.token_ids
+    assert tool.stats.tau > 2 * max(plain.stats.tau, 1.0) and plain.stats.tau == first.stats.tau
+
+
 def test_bad_drafter_specs_and_corpora_are_one_clear_error(tmp_path, capsys):
     from dspine.cli import main
 

@@ -88,6 +88,12 @@ def add_proxy(sub) -> None:
     px.add_argument(
         "--workdir", default="runs/proxy", help="where the LiteLLM config is written (default: %(default)s)"
     )
+    px.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive whole; slower ones get 408 (default: %(default)s)",
+    )
 
 
 def add_dashboard(sub) -> None:
@@ -150,6 +156,7 @@ def cmd_proxy(a) -> int:
         db=a.db,
         metrics_port=a.metrics_port,
         workdir=a.workdir,
+        body_timeout_s=a.body_timeout,
     )
     proc = start_proxy(cfg, log=sys.stdout)
     print(f"dspine proxy: LiteLLM on http://{a.host}:{a.port}/v1 (store {a.db}); Ctrl-C stops it", file=sys.stderr)

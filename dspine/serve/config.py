@@ -36,6 +36,12 @@ class ServeConfig:
     max_body_bytes: int = option(
         32 * 2**20, "refuse a request body larger than this (413), from its Content-Length before reading it"
     )
+    body_timeout_s: float = option(
+        30.0,
+        "seconds a request body may take to arrive whole (408 after that: a slow or short body never holds a "
+        "connection)",
+        flag="--body-timeout",
+    )
     draft_dtype: str | None = None  # drafters swapped in decode in it (checkpoint.draft_dtype; None: the target's)
 
     def __post_init__(self):
@@ -43,3 +49,5 @@ class ServeConfig:
             raise ValueError("--max-batch, --max-queue and --max-body-bytes must be >= 1")
         if self.grace_s < 0 or (self.request_timeout_s is not None and self.request_timeout_s <= 0):
             raise ValueError("--grace-seconds must be >= 0 and --request-timeout > 0")
+        if self.body_timeout_s <= 0:
+            raise ValueError("--body-timeout must be > 0")

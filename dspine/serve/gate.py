@@ -8,12 +8,18 @@ answers 401 (LiteLLM would parse the body first and could answer 500); one with 
 server's own functions (protocol.read_json, responses.to_chat, protocol.parse_request) and, when bad, answered
 with the same 4xx and message the server would give, before LiteLLM runs (fields a backend may or may not
 implement, such as `logit_bias`, are left to the backend); an unknown model answers 404 as the server does. A good
-body goes on unchanged, its Content-Type made application/json (a JSON body sent as a form by `curl -d` is still
-JSON).
+body goes on as the JSON the server would read (UTF-8, whatever encoding it came in: a BOM or UTF-16 body is read
+alike on both), its Content-Type made application/json (a JSON body sent as a form by `curl -d` is still JSON).
+While LiteLLM answers a request that is not streamed, the gate watches the client: one that hangs up or times out
+cancels the request, so the backend aborts its decode instead of finishing it for no one (a stream sees its
+client go itself). A body slower than DSPINE_PROXY_BODY_TIMEOUT
+answers 408; LiteLLM's routes that would skip the gate (Azure-style and engine paths) and its admin UI are closed.
+At shutdown (SIGTERM) the proxy exits only once every answered request is recorded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import os
@@ -30,7 +36,12 @@ GATED = {
     "/v1/responses": "responses",
     "/responses": "responses",
 }
+# LiteLLM routes that would skip the gate (the Azure-style and engine paths carry the model in the path) or show
+# its admin UI without the key: closed (the UI opens with DSPINE_PROXY_UI=1)
+CLOSED = ("/openai/deployments", "/engines", "/ui", "/litellm/ui")
 MAX_BODY = 32 * 2**20
+COUNTS = {"answered": 0, "logged": 0}  # gated requests answered 200, and recorded by the acceptance callback
+BODY_TIMEOUT_S = float(os.environ.get("DSPINE_PROXY_BODY_TIMEOUT", "30"))  # slower bodies get 408 (--body-timeout)
 
 
 def key_matches(given: str | None, key: str | None = None) -> bool:
@@ -70,35 +81,116 @@ class RequestGate:
         return key_matches(given, self.key)
 
     async def __call__(self, scope, receive, send):
-        kind = GATED.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if scope["type"] == "lifespan":
+            return await self.app(scope, _draining_logs(receive), send)
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        kind = GATED.get(path)
         headers = dict(scope.get("headers") or [])
+        if path.startswith(CLOSED) and not (path.startswith("/ui") and os.environ.get("DSPINE_PROXY_UI") == "1"):
+            msg = f"{path} is not served by dspine proxy: use /v1/chat/completions, /v1/responses or /v1/completions"
+            return await _answer(send, 404, error_body(msg, 404))
         if kind is None or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         if not self._authenticated(headers):
             return await _answer(send, 401, error_body(KEY_REFUSED, 401, "api_key"))
-        raw, more = b"", True
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            raw += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(raw) > MAX_BODY:
-                return await _answer(send, 413, error_body(f"the request body is over {MAX_BODY} bytes", 413))
-        bad = check_body(raw, headers.get(b"content-type", b"").decode("latin-1").lower(), kind, self.models)
+        try:
+            raw = await asyncio.wait_for(_read(receive), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            msg = f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"
+            return await _answer(send, 408, error_body(msg, 408))
+        if raw is None:  # the client went away
+            return
+        if len(raw) > MAX_BODY:
+            return await _answer(send, 413, error_body(f"the request body is over {MAX_BODY} bytes", 413))
+        ctype = headers.get(b"content-type", b"").decode("latin-1").lower()
+        bad = check_body(raw, ctype, kind, self.models)
         if bad is not None:
             return await _answer(send, *bad)
+        doc = read_json(raw, ctype)
+        raw = json.dumps(doc).encode()  # as the server read it (a BOM or UTF-16 body too)
         fixed = {**headers, b"content-type": b"application/json", b"content-length": str(len(raw)).encode()}
-        sent = False
+        scope = {**scope, "headers": list(fixed.items())}
+        status = []
 
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()  # then the client's disconnect, as the app would see it
+        async def noting(msg):
+            if msg["type"] == "http.response.start":
+                status.append(msg["status"])
+            await send(msg)
 
-        await self.app({**scope, "headers": list(fixed.items())}, replay, send)
+        if doc.get("stream"):  # a stream sees its client's disconnect itself (and LiteLLM records what was sent)
+            await self.app(scope, _replay(raw, receive), noting)
+        else:
+            await _until_disconnect(self.app(scope, _replay(raw, None), noting), receive)
+        if status and status[0] == 200:
+            COUNTS["answered"] += 1  # the acceptance callback will record it (COUNTS["logged"])
+
+
+def _draining_logs(receive, wait_s: float = 15.0):
+    """The app's lifespan receive: at shutdown (after uvicorn has let open requests finish), first wait until the
+    acceptance callback has recorded every request the gate saw answered (LiteLLM logs a finished stream from a
+    task of its own, which the shutdown would otherwise cancel: the row lost), at most `wait_s`."""
+
+    async def rcv():
+        msg = await receive()
+        if msg["type"] == "lifespan.shutdown":
+            deadline = asyncio.get_running_loop().time() + wait_s
+            while COUNTS["logged"] < COUNTS["answered"] and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+        return msg
+
+    return rcv
+
+
+def _replay(raw: bytes, receive):
+    """The app's receive: the body once, then the client's messages (its disconnect) — or, with receive None (the
+    gate watches the client itself: `_until_disconnect`), nothing more."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        if receive is not None:
+            return await receive()
+        await asyncio.Event().wait()  # until cancelled with the app
+        return {"type": "http.disconnect"}
+
+    return replay
+
+
+async def _until_disconnect(app_call, receive) -> None:
+    """Run the app while watching the client: one that hangs up (or times out) before the answer is complete
+    cancels the app, and with it LiteLLM's request to the backend, whose server aborts the decode at its next
+    round (its record says abort) — instead of decoding to the end for no one."""
+    app = asyncio.ensure_future(app_call)
+
+    async def watch():
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    done, _ = await asyncio.wait({app, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if app in done:
+        watcher.cancel()
+        return app.result()
+    app.cancel()
+    try:
+        await app
+    except asyncio.CancelledError:
+        pass
+
+
+async def _read(receive) -> bytes | None:
+    """The whole body (stopping once past MAX_BODY), or None when the client disconnects first."""
+    raw, more = b"", True
+    while more and len(raw) <= MAX_BODY:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        raw += msg.get("body", b"")
+        more = msg.get("more_body", False)
+    return raw
 
 
 async def _answer(send, status: int, body: dict) -> None:

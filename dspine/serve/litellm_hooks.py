@@ -28,7 +28,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at i
 
 from litellm.integrations.custom_logger import CustomLogger
 
-from dspine.serve.gate import KEY_REFUSED, key_matches
+from dspine.serve.gate import COUNTS, KEY_REFUSED, key_matches
 from dspine.serve.metrics import AcceptanceMetrics
 from dspine.serve.records import RequestRecord
 from dspine.serve.store import AcceptanceStore
@@ -90,7 +90,13 @@ class DSpineLogger(CustomLogger):
         """Pass the workload on to the backend (LiteLLM keeps request metadata to itself), so the server's own
         record and metrics carry the same label; agent traffic (a request with a workload) also asks the backend
         for its exact token ids, which the callback stores as a trace row. A route for the workload (and level)
-        sends the request to its backend."""
+        sends the request to its backend. A streamed chat request gets its usage on the last chunk, as the server
+        always sends it (LiteLLM drops it unless asked); a request's `timeout` goes on to the backend, where it
+        limits the decode as it does on the server (LiteLLM would take it as its own upstream timeout)."""
+        if data.get("stream") and "messages" in data and not data.get("stream_options"):
+            data["stream_options"] = {"include_usage": True}  # usage on the last chunk, as the server sends it
+        if data.get("timeout") is not None:  # the request's decode limit, as on the server
+            data["extra_body"] = {**(data.get("extra_body") or {}), "timeout": data.pop("timeout")}
         md = data.get("metadata") or {}
         workload = md.get("workload") if isinstance(md, dict) else None
         if workload is not None and self.routes:
@@ -196,6 +202,7 @@ class DSpineLogger(CustomLogger):
                 },
             }
         fresh = await asyncio.to_thread(self.store.append, rec, trace)
+        COUNTS["logged"] += 1  # what the proxy's shutdown waits for (gate._draining_logs)
         if not fresh:
             return
         self.metrics.observe(rec)

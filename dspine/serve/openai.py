@@ -1,7 +1,7 @@
 """The OpenAI surface of `dspine serve`, apart from the scheduler: a request body checked and turned into engine
 input (`Parsed`), the replies shaped as OpenAI answers them (whole, or streamed as SSE chunks by `Stream`), with
 acceptance in SGLang's shape, tool calls parsed from the reply, and refusals in OpenAI's error shape. `reasoning_effort`
-(none/low/medium/high/xhigh) is mapped onto the target: Qwen3's `enable_thinking`; others a system note.
+(none/minimal/low/medium/high/xhigh) is mapped onto the target: Qwen3's `enable_thinking`; others a system note.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dspine.target import has_thinking_mode
 if TYPE_CHECKING:
     from dspine.serve.service import Service
 
-REASONING_BUDGET = {"low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
+REASONING_BUDGET = {"minimal": 64, "low": 256, "medium": 1024, "high": 4096, "xhigh": 8192}
 
 
 def thinking_mode(model_type: str) -> dict:
@@ -52,7 +52,7 @@ def thinking_mode(model_type: str) -> dict:
     budget = ", ".join(f"{k} {v}" for k, v in REASONING_BUDGET.items())
     return {
         "mode": "system_note",
-        "detail": "the target has no thinking mode: low..xhigh add a system note asking "
+        "detail": "the target has no thinking mode: minimal..xhigh add a system note asking "
         f"for step-by-step reasoning within a token budget ({budget}); none adds nothing",
     }
 
@@ -142,8 +142,12 @@ class OpenAIShaping:
         if chat:
             tools = req.active_tools()
             ids = self._chat_ids(req, effort)
-        else:
+        elif isinstance(req.prompt, str):
             ids = self.engine.target.encode(req.prompt)
+        else:  # token ids, as OpenAI and SGLang take them
+            ids, vocab = list(req.prompt), self.engine.target.info.vocab_size
+            if not all(0 <= t < vocab for t in ids):
+                raise BadRequest(f"'prompt': token ids must be in [0, {vocab})", param="prompt")
         where = "messages" if chat else "prompt"
         if not ids:
             raise BadRequest("the prompt is empty", param=where)

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-EFFORTS = ("none", "low", "medium", "high", "xhigh")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning_effort values
 # a drafter route: WORKLOAD or WORKLOAD/LEVEL (the server's per-workload drafters, the proxy's per-workload backends)
 ROUTE = re.compile(rf"[A-Za-z0-9_.-]{{1,64}}(/({'|'.join(EFFORTS)}))?")
 ROUTE_FORM = f"WORKLOAD or WORKLOAD/LEVEL (LEVEL one of {'/'.join(EFFORTS)})"
@@ -207,8 +207,22 @@ class ChatRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def _one_prompt(v):
+    """A completions prompt as OpenAI takes it — a string, token ids, or a list holding one of either — -> the
+    string or the ids; several prompts in one request are refused (send them as separate requests)."""
+    if isinstance(v, list) and v and all(isinstance(x, (str, list)) for x in v):
+        if len(v) != 1:
+            raise ValueError(f"one prompt per request, got {len(v)} (send them as separate requests)")
+        v = v[0]
+    if isinstance(v, str) and v:
+        return v
+    if isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return v
+    raise ValueError("must be a non-empty string or a non-empty list of token ids")
+
+
 class CompletionRequest(_Request):
-    prompt: Annotated[str, Field(min_length=1)]
+    prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
     logprobs: Annotated[Int, Field(ge=0, le=5)] | None = None  # the legacy form: how many top tokens
 
     def top_k_logprobs(self) -> int | None:
@@ -310,8 +324,10 @@ ERROR_TYPES = {
     401: "auth_error",
     404: "not_found_error",
     405: "method_not_allowed",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    500: "server_error",
     503: "service_unavailable",
 }
 
@@ -347,7 +363,7 @@ def parse_request(body: Any, chat: bool, refuse_unsupported: bool = True) -> Cha
         if err["type"] == "missing" and loc == ["messages"]:
             msg = "'messages' is required: a non-empty list of {role, content}"
         elif err["type"] == "missing" and loc == ["prompt"]:
-            msg = "'prompt' is required: a non-empty string"
+            msg = "'prompt' is required: a non-empty string or token ids"
         else:
             got = f" (got {err['input']!r})" if _short(err.get("input")) and "got" not in err["msg"] else ""
             msg = f"'{field}': {err['msg'].removeprefix('Value error, ')}{got}"

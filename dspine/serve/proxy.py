@@ -41,6 +41,7 @@ class ProxyConfig:
     metrics_port: int = 0  # > 0: Prometheus metrics of the proxy's records on 127.0.0.1:metrics_port
     workdir: str = "runs/proxy"
     timeout_s: float = 600.0
+    body_timeout_s: float = 30.0  # a request body that has not arrived whole by then gets 408 (the request gate)
     # WORKLOAD or WORKLOAD/LEVEL -> backend name: a request with that metadata.workload (and reasoning_effort) goes
     # to that backend whatever model it named — for backends of one target with drafters adapted per workload
     routes: dict[str, str] = field(default_factory=dict)
@@ -48,6 +49,8 @@ class ProxyConfig:
     def validate(self) -> None:
         if not self.backends:
             raise ConfigError("proxy: at least one backend is needed (--backend NAME=URL)")
+        if self.body_timeout_s <= 0:
+            raise ConfigError("proxy: --body-timeout must be > 0")
         names = [b.name for b in self.backends]
         if len(set(names)) != len(names):
             raise ConfigError(f"proxy: backend names repeat: {names}")
@@ -139,6 +142,7 @@ def proxy_env(cfg: ProxyConfig, key: str) -> dict:
             "DSPINE_PROXY_MODELS": ",".join(b.name for b in cfg.backends),
             "DSPINE_PROXY_ROUTES": json.dumps(cfg.routes),
             "DSPINE_PROXY_API_BASES": json.dumps({b.name: b.api_base for b in cfg.backends}),
+            "DSPINE_PROXY_BODY_TIMEOUT": str(cfg.body_timeout_s),
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "LITELLM_TELEMETRY": "False",
             "PYTHONPATH": os.pathsep.join(
@@ -163,6 +167,9 @@ def check_port_free(host: str, port: int, what: str) -> None:
     import socket
 
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # as the server will bind it (uvicorn sets SO_REUSEADDR): connections of a proxy just stopped, left in
+        # TIME_WAIT, do not make the port busy; a listener does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:

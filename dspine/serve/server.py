@@ -7,7 +7,7 @@ callback reads for streamed requests, whose extra fields LiteLLM drops). Binds 1
 
 Per-request acceptance comes back like SGLang 0.5.23: `sglext.spec_tokens_details` when the request sets
 `return_spec_tokens_details`, `meta_info` when it sets `return_meta_info` (fields from stats.AcceptanceStats).
-`reasoning_effort` (none/low/medium/high/xhigh) is mapped onto the target (Qwen3: `enable_thinking`; others: a
+`reasoning_effort` (none/minimal/low/medium/high/xhigh) is mapped onto the target (Qwen3: `enable_thinking`; others: a
 system instruction with a reasoning-token budget) and echoed in the record. One decoding thread (`Batcher`)
 schedules at round boundaries (continuous batching): requests join a running batch between rounds and leave it as
 they finish, so a late short request never waits for a long one; a client that disconnects aborts its own row at
@@ -20,6 +20,7 @@ names the drafter that decoded it.
 """
 
 import asyncio
+import functools
 import json
 import sys
 import threading
@@ -137,7 +138,7 @@ def swap_request(service: Service, authorization: str | None, raw: bytes) -> dic
     if not isinstance(remove, bool) or (remove and not isinstance(body.get("route"), str)):
         raise BadRequest("'remove' is true or false, and true only with a 'route'", param="remove")
     if not remove and not isinstance(body.get("drafter"), str):
-        raise BadRequest("'drafter' must be a checkpoint folder or 'none'", param="drafter")
+        raise BadRequest("'drafter' must be a checkpoint folder, 'builtin' or 'none'", param="drafter")
     for key in ("name", "route"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise BadRequest(f"'{key}' must be a string", param=key)
@@ -149,25 +150,42 @@ def swap_request(service: Service, authorization: str | None, raw: bytes) -> dic
         raise BadRequest(f"drafter refused: {e}", param="drafter") from None
 
 
+@functools.cache
+def parser_pool():
+    """The one thread that reads and tokenizes request bodies: a long prompt never blocks the event loop (health,
+    other clients), and one thread keeps the tokenizer to one caller at a time (it is not safe to share)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1, thread_name_prefix="dspine-parse")
+
+
+def parse_body(service: Service, raw: bytes, content_type: str, chat: bool, responses: bool) -> tuple[Parsed, dict]:
+    """A body -> (the Parsed request, the body as sent); BadRequest naming what is wrong."""
+    from dspine.serve.protocol import RequestInvalid
+    from dspine.serve.responses import to_chat
+
+    body = asked = read_json(raw, content_type)
+    if responses:
+        try:
+            body = to_chat(asked)
+        except RequestInvalid as e:
+            raise BadRequest(str(e), param=e.param) from None
+    return service.parse(body, chat), asked
+
+
 async def complete(request, service: Service, chat: bool, responses: bool = False):
-    """One completion request: parse, admit, then stream or answer whole. `responses`: a Responses API request,
-    decoded as the chat request it translates to (serve.responses) and answered in the Responses shape."""
+    """One completion request: read, parse (off the event loop), admit, then stream or answer whole. `responses`:
+    a Responses API request, decoded as the chat request it translates to (serve.responses) and answered in the
+    Responses shape."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    from dspine.serve.protocol import RequestInvalid
-    from dspine.serve.responses import response_object, stream_events, to_chat
+    from dspine.serve.responses import response_object, stream_events
 
     try:
-        raw = await read_body(request, service.cfg.max_body_bytes)
-        body = read_json(raw, request.headers.get("content-type", "").lower())
-        if responses:
-            try:
-                body, asked = to_chat(body), body
-            except RequestInvalid as e:
-                raise BadRequest(str(e), param=e.param) from None
-        req = service.parse(body, chat)
-        if responses and req.n != 1:
-            raise BadRequest("'n' must be 1 on /v1/responses (one output per response)", param="n")
+        raw = await read_body(request, service.cfg.max_body_bytes, service.cfg.body_timeout_s)
+        ctype = request.headers.get("content-type", "").lower()
+        loop = asyncio.get_running_loop()
+        req, asked = await loop.run_in_executor(parser_pool(), parse_body, service, raw, ctype, chat, responses)
         service.admit()
     except BadRequest as e:
         return error_response(service, e)
@@ -188,19 +206,29 @@ async def complete(request, service: Service, chat: bool, responses: bool = Fals
     return JSONResponse(response_object(doc, asked) if responses else doc, headers=headers)
 
 
-async def read_body(request, limit: int) -> bytes:
+async def read_body(request, limit: int, timeout_s: float | None = None) -> bytes:
     """The request body, refused (413) as soon as it is known to be over `limit` bytes: from its Content-Length
-    before anything is read, else while it streams in."""
+    before anything is read, else while it streams in; one that has not arrived whole within `timeout_s` (a slow
+    client, or a Content-Length larger than what was sent) is refused with 408."""
     size = request.headers.get("content-length", "")
     too_big = BadRequest(f"the request body is over {limit} bytes (--max-body-bytes)", status=413)
     if size.isdigit() and int(size) > limit:
         raise too_big
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise too_big
-    return bytes(raw)
+
+    async def whole() -> bytes:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise too_big
+        return bytes(raw)
+
+    try:
+        return await asyncio.wait_for(whole(), timeout_s)
+    except asyncio.TimeoutError:
+        raise BadRequest(
+            f"the request body did not arrive within {timeout_s:g} s (--body-timeout)", status=408
+        ) from None
 
 
 def probe(h: dict, key: str):
@@ -221,7 +249,7 @@ def dspine_routes(app, service: Service) -> None:
         return service.drafters()
 
     @app.post("/v1/dspine/drafter")
-    async def drafter_swap(request: Request):  # {"drafter": FOLDER | "none", "name", "route", "remove": optional}
+    async def drafter_swap(request: Request):  # {"drafter": FOLDER | "builtin" | "none", "name", "route", "remove"}
         from starlette.concurrency import run_in_threadpool
 
         try:
@@ -261,6 +289,17 @@ def create_app(service: Service):
 
     def error(e: BadRequest):
         return error_response(service, e)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # a bug, never client input: JSON, an id, a log line
+        import logging
+        import uuid
+
+        eid = uuid.uuid4().hex[:12]
+        logging.getLogger("dspine.serve").error(
+            "internal error %s on %s %s", eid, request.method, request.url.path, exc_info=exc
+        )
+        return error(BadRequest(f"internal server error (id {eid}, logged)", status=500, code="internal_error"))
 
     def completion_route(chat: bool, responses: bool):
         async def route(request: Request):

@@ -68,7 +68,12 @@ class Service(OpenAIShaping):
         self.registry.path = path
 
     def swap_drafter(self, path: str, name: str | None = None, route: str | None = None, remove: bool = False) -> dict:
-        """Serve another drafter ("none": AR), by default or for one route (DrafterRegistry.swap)."""
+        """Serve another drafter ("none": AR; "builtin": the one shipped for the target), by default or for one
+        route (DrafterRegistry.swap)."""
+        if path == "builtin":
+            from dspine.checkpoint import resolve_drafter
+
+            path = resolve_drafter(path, self.engine.target.name)
         return self.registry.swap(path, name, route, remove)
 
     def route_for(self, req: Parsed) -> Route | None:

@@ -217,7 +217,7 @@ class AcceptanceStore:
         }
 
 
-LEVELS = ("none", "low", "medium", "high", "xhigh")  # thinking levels, in order
+LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh")  # thinking levels, in order
 
 
 def level_rank(level: str) -> tuple:
