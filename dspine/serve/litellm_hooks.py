@@ -90,11 +90,8 @@ class DSpineLogger(CustomLogger):
         """Pass the workload on to the backend (LiteLLM keeps request metadata to itself), so the server's own
         record and metrics carry the same label; agent traffic (a request with a workload) also asks the backend
         for its exact token ids, which the callback stores as a trace row. A route for the workload (and level)
-        sends the request to its backend. A streamed chat request gets its usage on the last chunk, as the server
-        always sends it (LiteLLM drops it unless asked); a request's `timeout` goes on to the backend, where it
-        limits the decode as it does on the server (LiteLLM would take it as its own upstream timeout)."""
-        if data.get("stream") and "messages" in data and not data.get("stream_options"):
-            data["stream_options"] = {"include_usage": True}  # usage on the last chunk, as the server sends it
+        sends the request to its backend. A request's `timeout` goes on to the backend, where it limits the
+        decode as it does on the server (LiteLLM would take it as its own upstream timeout)."""
         if data.get("timeout") is not None:  # the request's decode limit, as on the server
             data["extra_body"] = {**(data.get("extra_body") or {}), "timeout": data.pop("timeout")}
         md = data.get("metadata") or {}

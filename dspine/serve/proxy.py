@@ -110,7 +110,11 @@ def litellm_config(cfg: ProxyConfig) -> dict:
         # each model name has one backend: a failure (an endpoint the backend lacks, a 404) never cools it down,
         # which would answer every other client 429 until the cooldown ends
         "router_settings": {"disable_cooldowns": True},
-        "general_settings": {"master_key": f"os.environ/{KEY_ENV}", "custom_auth": f"{CALLBACKS_MODULE}.auth"},
+        "general_settings": {
+            "master_key": f"os.environ/{KEY_ENV}",
+            "custom_auth": f"{CALLBACKS_MODULE}.auth",
+            "always_include_stream_usage": True,  # a stream ends with its usage, as the server sends it
+        },
     }
 
 

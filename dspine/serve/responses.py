@@ -175,7 +175,7 @@ def _check_fields(body: dict) -> None:
 def to_chat(body) -> dict:
     """A Responses request body -> the chat-completions body that decodes it; RequestInvalid naming what is wrong."""
     if not isinstance(body, dict):
-        raise RequestInvalid("the body must be a JSON object")
+        raise RequestInvalid("the body must be a JSON object", None)
     _check_fields(body)
     chat = {"messages": _messages(body.get("input"), body.get("instructions"))}
     for src, dst in (
