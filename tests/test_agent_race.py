@@ -3,7 +3,9 @@ suffix drafter and the hybrid read never holds a measured task — with the fine
 with the target's own completions as the corpus."""
 
 import argparse
+import dataclasses
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from dspine.agents.traces import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmark scripts, not the package
 from agent_race import held_out, select
+from test_finetune import _row
 
 
 def _saved() -> dict:
@@ -27,33 +30,8 @@ def _saved() -> dict:
 
 
 def _trace(task: str, workload: str, ids: list[int]) -> TraceRow:
-    return TraceRow(
-        episode_id=f"e-{task}",
-        task_id=task,
-        workload=workload,
-        thinking="none",
-        turn=2,
-        request_id=f"r-{task}",
-        messages="{}",
-        tools="[]",
-        prompt_token_ids=[1],
-        completion_token_ids=ids,
-        has_token_ids=True,
-        completion_text="",
-        tool_calls="[]",
-        finish_reason="length",
-        prompt_tokens=1,
-        completion_tokens=len(ids),
-        accept_hist=[],
-        tau=None,
-        sampling="{}",
-        target="tiny",
-        drafter=None,
-        chat_template_sha256=None,
-        latency_s=0.0,
-        ts=0.0,
-        source="replay",
-    )
+    row = _row(f"e-{task}", 2, random.Random(0), workload=workload, level="none")
+    return dataclasses.replace(row, task_id=task, completion_token_ids=ids, completion_tokens=len(ids))
 
 
 def _args(**kw) -> argparse.Namespace:
