@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         stage("dspine serve: SmolLM2-135M-Instruct + the shipped DSpine drafter (swappable: --admin-key)")
         log = open(work / "server.log", "wb")
         server, base = start_server_process(
-            "builtin", "smol", extra=["--admin-key", admin, "--max-prompt-tokens", "7000"], log=log
+            "builtin", "smol", extra=["--max-prompt-tokens", "7000"], log=log, env={"DSPINE_ADMIN_KEY": admin}
         )
         stage("LiteLLM proxy in front of it, recording every request in a SQLite store")
         cfg = ProxyConfig(
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
             db=str(work / "proxy.db"),
             workdir=str(work / "proxy"),
         )
-        proxy = start_proxy(cfg, key=master, log=open(work / "proxy.log", "wb"))
+        proxy = start_proxy(cfg, key=master, log=open(work / "proxy.log", "wb"), read_key=admin)  # server's records
         purl = f"http://127.0.0.1:{cfg.port}"
         if replay:
             from dspine.agents.replay import shipped

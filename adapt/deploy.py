@@ -37,6 +37,12 @@ def parse(argv=None):
     p.add_argument("--group", default="", help="which adapted drafter (default: the only one)")
     p.add_argument("--endpoint", default="http://127.0.0.1:8000", help="the dspine server (default: %(default)s)")
     p.add_argument("--admin-key", default=os.environ.get("DSPINE_ADMIN_KEY", ""), help="(default: $DSPINE_ADMIN_KEY)")
+    p.add_argument(
+        "--read-key",
+        default=os.environ.get("DSPINE_READ_KEY", ""),
+        help="the server's read key, for its records; a restarted backend gets it as DSPINE_READ_KEY "
+        "(default: $DSPINE_READ_KEY, else the admin key)",
+    )
     p.add_argument("--history", default="", help="JSON lines of decisions (default: deploys.jsonl beside --evaluation)")
     p.add_argument("overrides", nargs="*", help="dotted settings, e.g. live_requests=6")
     a = p.parse_args(argv)
@@ -47,6 +53,7 @@ def parse(argv=None):
         group=a.group,
         endpoint=a.endpoint,
         admin_key=a.admin_key,
+        read_key=a.read_key,
         history=a.history,
     )
 

@@ -52,6 +52,7 @@ class DeployConfig:
     group: str = ""  # which adapted drafter (default: the only one)
     endpoint: str = "http://127.0.0.1:8000"  # the dspine server (not the proxy)
     admin_key: str = ""
+    read_key: str = ""  # the server's read key (dspine serve --read-key), for its records; empty: the admin key
     history: str = ""  # JSON lines (default: beside the evaluation, deploys.jsonl)
     prompts: list[str] = field(default_factory=list)  # live-check prompts (default: the general benchmarks')
     live_requests: int = 4
@@ -111,9 +112,12 @@ def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) ->
     records -> pooled τ, requests, the drafters that decoded them. A server without dspine's records (SGLang):
     greedy /generate requests, τ from the counts each reply carries."""
     base = cfg.endpoint.rstrip("/")
+    key = cfg.read_key or cfg.admin_key
     try:
-        call_json(base + "/v1/dspine/drafter", timeout=30)
-    except DeployError:
+        call_json(base + "/v1/dspine/drafter", key=key, timeout=30)
+    except DeployError as e:
+        if "HTTP 401" in str(e) or "HTTP 403" in str(e):  # dspine serve, whose records are behind a key
+            raise DeployError(f"{e} (give deploy the server's read_key or admin_key)") from None
         return _live_tau_sglang(cfg, prompts)
     model = call_json(base + "/v1/models")["data"][0]["id"]
     pooled, drafters = None, set()
@@ -130,7 +134,7 @@ def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) ->
             if level:
                 body["reasoning_effort"] = level
         rid = call_json(base + "/v1/chat/completions", body)["id"]
-        rec = call_json(f"{base}/v1/dspine/requests/{rid}")
+        rec = call_json(f"{base}/v1/dspine/requests/{rid}", key=key)
         drafters.add(rec.get("drafter"))
         hist = rec.get("accept_hist") or []
         if hist:
@@ -211,7 +215,10 @@ def start_backend(cfg: DeployConfig, command: str, state_path: Path, drafter: st
 
     log = state_path.with_name(state_path.stem + ".log")
     with open(log, "ab") as out:
-        proc = subprocess.Popen(shlex.split(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **({"DSPINE_READ_KEY": cfg.read_key} if cfg.read_key else {})}  # never in the command
+        proc = subprocess.Popen(
+            shlex.split(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
     state = {"pid": proc.pid, "command": command, "drafter": drafter, "started": time.time(), "log": str(log)}
     atomic_write_text(state_path, json.dumps(state))
     try:
@@ -311,7 +318,7 @@ def deploy(cfg: DeployConfig) -> dict:
         _append(history, entry)
         return entry
     url = cfg.endpoint.rstrip("/") + "/v1/dspine/drafter"
-    served = call_json(url)
+    served = call_json(url, key=cfg.read_key or cfg.admin_key)
     before = (served.get("routes") or {}).get(route) if route else served
     before = {k: before[k] for k in ("drafter", "path", "method")} if before else None
     body = {"drafter": info["path"], "name": f"adapted/{group}", **({"route": route} if route else {})}

@@ -192,7 +192,28 @@ def main(argv=None) -> int:
         eng.generate(rows[0]["ids"][-64:], SamplingParams(max_tokens=8))
     if a.concurrency > 1:
         return _race_batched(a, engines, rows, params, methods)
-    t_start = time.time()
+    t_start, out = time.time(), Path(a.out)
+
+    def write(done: int) -> dict:
+        """The figures over the first `done` turns, written out (a run cut short still leaves what it measured)."""
+        doc = {
+            **provenance(),
+            "settings": vars(a),
+            "corpus": corpus_from,
+            "corpus_tokens": {w: corpus.tokens(w) for w in corpus.indexes},
+            "methods": list(methods),
+            "suffix_config": cfg.__dict__,
+            "workloads": cell_figures(rows[:done], {m: v[:done] for m, v in results.items()}, methods),
+        }
+        if done < len(rows):
+            doc["partial"] = f"{done} of {len(rows)} turns measured"
+        doc["hybrid_over_best_single"] = doc["workloads"]["all"]["hybrid_over_best_single"]
+        if a.adapted:
+            doc["hybrid_adapted_over_best_single"] = doc["workloads"]["all"]["hybrid_adapted_over_best_single"]
+        atomic_write_text(out, json_text(doc))
+        atomic_write_text(out.with_suffix(".md"), race_table(doc))
+        return doc
+
     for k, r in enumerate(rows):
         for m in methods:
             before = forwards[0]
@@ -214,22 +235,10 @@ def main(argv=None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    doc = {
-        **provenance(),
-        "settings": vars(a),
-        "corpus": corpus_from,
-        "corpus_tokens": {w: corpus.tokens(w) for w in corpus.indexes},
-        "methods": list(methods),
-        "suffix_config": cfg.__dict__,
-        "workloads": cell_figures(rows, results, methods),
-    }
-    doc["hybrid_over_best_single"] = doc["workloads"]["all"]["hybrid_over_best_single"]
-    if a.adapted:
-        doc["hybrid_adapted_over_best_single"] = doc["workloads"]["all"]["hybrid_adapted_over_best_single"]
-    out = Path(a.out)
-    atomic_write_text(out, json_text(doc))
+        if k + 1 < len(rows) and (k + 1) % 8 == 0 and len({rows[i]["task"] for i in range(k + 1)}) > 1:
+            write(k + 1)
+    doc = write(len(rows))
     table = race_table(doc)
-    atomic_write_text(out.with_suffix(".md"), table)
     if a.summary:
         keys = ("workloads", "hybrid_over_best_single", "hybrid_adapted_over_best_single", "git_sha", "command")
         update_summary(a.summary, "agent_race", {k: doc[k] for k in (*keys, "hardware") if k in doc})
@@ -349,7 +358,7 @@ def task_intervals(rows: list[dict], idx: list[int], results: dict, methods: tup
 
 
 def race_table(doc: dict) -> str:
-    lines = []
+    lines = [f"**Partial: {doc['partial']}** (the run was cut short)\n"] if doc.get("partial") else []
     for w, c in doc["workloads"].items():
         lines.append(
             f"**{w}** — {c['rows']} turns, {c['tasks']} tasks, {c['tokens']} tokens per method, prompts "

@@ -84,7 +84,10 @@ def main() -> int:
             key = os.environ.get("DSPINE_PROXY_KEY") or "sk-" + secrets.token_hex(16)
             log = open(work / "stack.log", "w")
             drafter = None if a.drafter == "none" else a.drafter
-            srv, backend = start_server_process(drafter, "backend", log=log, extra=["--max-batch", str(a.max_batch)])
+            read = secrets.token_hex(16)  # the server's records (each request's τ) are read with it
+            srv, backend = start_server_process(
+                drafter, "backend", log=log, extra=["--max-batch", str(a.max_batch)], env={"DSPINE_READ_KEY": read}
+            )
             procs.append(lambda: (srv.terminate(), srv.wait(timeout=60)))
             cfg = ProxyConfig(
                 backends=[Backend(a.model, backend + "/v1", "backend")],
@@ -92,7 +95,7 @@ def main() -> int:
                 db=str(work / "acceptance.db"),
                 workdir=str(work / "litellm"),
             )
-            proxy_proc = start_proxy(cfg, key=key, log=log)
+            proxy_proc = start_proxy(cfg, key=key, log=log, read_key=read)
             procs.append(lambda: stop_proxy(proxy_proc))
             proxy, db = f"http://127.0.0.1:{cfg.port}", cfg.db
         else:

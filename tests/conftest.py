@@ -4,8 +4,10 @@ briefly trained drafters for each."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
+import urllib.request
 
 import pytest
 import torch
@@ -134,12 +136,23 @@ def smollm2_drafters(smollm2, smollm2_pairs):
     return out
 
 
+READ_KEY = "sk-dspine-read-key"  # the test servers' read key (their records and drafter reads)
+
+
+def read_json_url(url: str, key: str | None = READ_KEY):
+    """GET a dspine serve URL with the read key -> its JSON."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
 @contextlib.contextmanager
 def running_server(ckpt, name: str = "smol", max_prompt_tokens: int = 200):
     """The real `dspine serve` on a free 127.0.0.1 port (SmolLM2 + the given drafter); yields its base URL."""
     from dspine.serve.server import start_server_process  # the serving extras (pydantic, fastapi) only here
 
-    proc, base = start_server_process(ckpt, name, extra=["--max-prompt-tokens", str(max_prompt_tokens)])
+    extra = ["--max-prompt-tokens", str(max_prompt_tokens)]
+    proc, base = start_server_process(ckpt, name, extra=extra, env={"DSPINE_READ_KEY": READ_KEY})
     try:
         yield base
     finally:

@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import CHAT_PROMPTS, tiny_target
@@ -22,8 +23,10 @@ KEY = "sekret"
 
 
 def call(base, path, body=None, key=None):
+    """A POST with `key`, or a GET (the records and drafter reads need a key: the admin key by default)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+    key = KEY if key is None and body is None else key
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -107,7 +110,15 @@ def test_swap_under_load_drops_nothing_and_refuses_bad_checkpoints(server):
     from dspine.drafters import builtin_drafter
 
     status, swap = call(base, "/v1/dspine/drafter", {"drafter": "builtin"}, KEY)
-    assert status == 200 and swap["current"]["path"] == str(builtin_drafter("smollm2-135m-instruct"))
+    assert status == 200 and Path(swap["current"]["path"]).resolve() == builtin_drafter("smollm2-135m-instruct")
+    # another folder whose last two parts are a/dspine: a label of its own, and the records say which one decoded
+    twin = shutil.copytree(root / "a" / "dspine", root / "x" / "a" / "dspine")
+    status, swap = call(base, "/v1/dspine/drafter", {"drafter": str(twin)}, KEY)
+    assert status == 200 and swap["current"]["drafter"].startswith("a/dspine@"), swap
+    assert chat(base, prompts[0])[1] == swap["current"]["drafter"]
+    assert call(base, "/v1/dspine/drafter", {"drafter": str(root / "a" / "dspine")}, KEY)[1]["current"]["drafter"] == (
+        "a/dspine"
+    )
 
 
 def test_deploy_gates_checks_live_acceptance_and_rolls_back(server, tmp_path):
@@ -351,6 +362,7 @@ def test_restart_deploy_starts_the_adapted_backend_and_falls_back(server, tmp_pa
                 max_tokens=24,
                 live_tolerance=tolerance,
                 restart=command,
+                read_key=KEY,  # the restarted backend gets it in its environment, never in the command
             )
         )
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from bad_requests import BAD
-from conftest import running_server
+from conftest import READ_KEY, read_json_url, running_server
 
 from dspine.checkpoint import save_drafter
 from dspine.process import free_port, wait_http
@@ -53,7 +53,7 @@ def stack(tmp_path_factory, smollm2_drafters):
             body_timeout_s=3.0,
         )
         with open(tmp / "litellm.log", "w") as log:
-            proc = start_proxy(cfg, key=KEY, log=log)
+            proc = start_proxy(cfg, key=KEY, log=log, read_key=READ_KEY)
         try:
             yield {"server": server, "proxy": f"http://127.0.0.1:{cfg.port}", "cfg": cfg, "tmp": tmp}
         finally:
@@ -109,7 +109,7 @@ def test_requests_through_the_proxy_are_recorded_once_with_the_servers_tau(stack
     for r in rows:
         workload, effort, stream = sent[r["request_id"]]
         assert (r["workload"], r["thinking"], bool(r["stream"])) == (workload, effort, stream)
-        own = json.loads(urllib.request.urlopen(f"{stack['server']}/v1/dspine/requests/{r['request_id']}").read())
+        own = read_json_url(f"{stack['server']}/v1/dspine/requests/{r['request_id']}")
         assert own["thinking"] == effort and own["workload"] == workload
         assert r["tau"] == pytest.approx(own["spec"]["spec_accept_length"], abs=1e-12)
         assert r["verify_rounds"] == own["spec"]["spec_verify_ct"]
@@ -170,7 +170,7 @@ def test_responses_and_chat_clients_share_the_proxy_with_no_cooldown(stack):
     rows = _wait_rows(stack["cfg"].db, before + 4)[before:]
     assert len(rows) == 4 and all(r["tau"] and r["source"] == "backend_record" for r in rows)
     for r in rows:  # each under the backend's own id, whatever id LiteLLM gave the client
-        own = json.loads(urllib.request.urlopen(f"{stack['server']}/v1/dspine/requests/{r['request_id']}").read())
+        own = read_json_url(f"{stack['server']}/v1/dspine/requests/{r['request_id']}")
         assert r["accept_hist"] == own["spec"]["spec_correct_drafts_histogram"]
 
 
@@ -233,7 +233,7 @@ def test_a_client_that_gives_up_through_the_proxy_aborts_the_backend(stack):
     import openai
 
     def server_records() -> dict:
-        data = json.loads(urllib.request.urlopen(stack["server"] + "/v1/dspine/requests?limit=1000").read())["data"]
+        data = read_json_url(stack["server"] + "/v1/dspine/requests?limit=1000")["data"]
         return {r["request_id"]: r for r in data}
 
     before, rows = server_records(), len(_rows(stack["cfg"].db))
@@ -278,9 +278,14 @@ def test_agent_traffic_through_the_proxy_exports_as_traces(stack, smollm2, tmp_p
             messages=[{"role": "user", "content": f"Say {i} things."}],
         )
         if stream:
-            rid = {c.id for c in client.chat.completions.create(stream=True, **kw)}.pop()
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            rid, extra = {c.id for c in chunks}.pop(), [set(c.model_extra or {}) for c in chunks]
+            extra += [set(ch.model_extra or {}) for c in chunks for ch in c.choices]
         else:
-            rid = client.chat.completions.create(**kw).id
+            reply = client.chat.completions.create(**kw)
+            rid, extra = reply.id, [set(reply.model_extra or {}), set(reply.choices[0].model_extra or {})]
+        # the proxy keeps the ids in the backend's record (record_token_ids): the reply carries none it did not ask for
+        assert not set().union(*extra) & {"prompt_token_ids", "token_ids"}, extra
         sent[rid] = kw["messages"]
     untagged = client.chat.completions.create(model="smol", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
     rows, deadline = _rows(stack["cfg"].db), time.time() + 60
@@ -295,7 +300,7 @@ def test_agent_traffic_through_the_proxy_exports_as_traces(stack, smollm2, tmp_p
     mine = [r for r in ds if r["request_id"] in sent]
     assert len(mine) == 2 and {r["turn"] for r in mine} == {0, 1} and all(r["episode_id"] == "ep-1" for r in mine)
     for r in mine:
-        own = json.loads(urllib.request.urlopen(f"{stack['server']}/v1/dspine/requests/{r['request_id']}").read())
+        own = read_json_url(f"{stack['server']}/v1/dspine/requests/{r['request_id']}")
         assert (
             r["prompt_token_ids"] == own["prompt_token_ids"]
             and smollm2.decode(r["completion_token_ids"]) == own["text"]
@@ -626,7 +631,7 @@ def test_a_down_backend_is_503_and_an_abandoned_stream_is_recorded_with_its_tau(
         time.sleep(0.25)
     rows = [x for x in _rows(stack["cfg"].db) if x["request_id"] not in before]
     assert [x["request_id"] for x in rows] == [rid]  # the 503 is not a record; the abandoned stream is
-    own = json.loads(urllib.request.urlopen(f"{stack['server']}/v1/dspine/requests/{rid}").read())
+    own = read_json_url(f"{stack['server']}/v1/dspine/requests/{rid}")
     assert own["finish_reason"] == "abort" and 0 < own["completion_tokens"] < 150
     row = rows[0]
     assert row["source"] == "backend_record" and row["workload"] == "gone"
@@ -712,10 +717,14 @@ def test_a_port_left_in_time_wait_is_free_for_a_restart():
 
 
 def test_sigterm_of_the_proxy_during_streams_keeps_every_row_and_a_restart_takes_the_port(stack, tmp_path):
-    """SIGTERM while four streams decode: the streams finish, every one is recorded before the proxy exits, and a
-    proxy started again at once on the same port comes up (the old one's connections are in TIME_WAIT)."""
+    """SIGTERM while four streams decode: a new request meanwhile gets 503 with Retry-After (the port stays open),
+    the streams finish, every one is recorded before the proxy exits, and a proxy started again at once on the same
+    port comes up (the old one's connections are in TIME_WAIT); a kill -9 of it after a request leaves that
+    request's row in an intact store."""
+    import signal
     import threading
 
+    import openai
     from openai import OpenAI
 
     from dspine.serve.proxy import Backend, ProxyConfig, start_proxy, stop_proxy
@@ -726,7 +735,7 @@ def test_sigterm_of_the_proxy_during_streams_keeps_every_row_and_a_restart_takes
         db=str(tmp_path / "drain.db"),
         workdir=str(tmp_path / "litellm"),
     )
-    proc = start_proxy(cfg, key=KEY, log=open(tmp_path / "proxy.log", "w"))
+    proc = start_proxy(cfg, key=KEY, log=open(tmp_path / "proxy.log", "w"), read_key=READ_KEY)
     client = OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key=KEY, max_retries=0)
     started, ended = [], []
 
@@ -746,12 +755,24 @@ def test_sigterm_of_the_proxy_during_streams_keeps_every_row_and_a_restart_takes
         while len(started) < 4 and time.time() < deadline:
             time.sleep(0.05)
         assert len(started) == 4
-        assert stop_proxy(proc, timeout=120) is not None  # SIGTERM to the group, then wait for it to exit
+        os.killpg(proc.pid, signal.SIGTERM)  # what stop_proxy sends first
+        time.sleep(0.5)
+        with pytest.raises(openai.APIStatusError) as late:  # a request after it: told to retry, not refused
+            client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert late.value.status_code == 503 and late.value.response.headers.get("retry-after") == "5"
+        assert proc.poll() is None and len(ended) < 4  # still draining
+        assert stop_proxy(proc, timeout=120) is not None  # waits for it to exit
         for t in threads:
             t.join(120)
         assert sorted(ended) == [0, 1, 2, 3]
         assert sorted(r["request_id"] for r in AcceptanceStore(cfg.db).rows()) == sorted(started)
-        proc = start_proxy(cfg, key=KEY, log=open(tmp_path / "proxy2.log", "w"))  # the same port, at once
-        assert client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        proc = start_proxy(cfg, key=KEY, log=open(tmp_path / "proxy2.log", "w"), read_key=READ_KEY)  # same port
+        again = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert again.id in {r["request_id"] for r in _wait_rows(cfg.db, 5)}
+        os.killpg(proc.pid, signal.SIGKILL)  # kill -9 between requests: what the store wrote stays, readable
+        proc.wait(30)
+        with sqlite3.connect(cfg.db) as db:
+            assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert {r["request_id"] for r in AcceptanceStore(cfg.db).rows()} == {*started, again.id}
     finally:
         stop_proxy(proc)

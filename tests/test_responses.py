@@ -2,11 +2,8 @@
 request that decodes them, answered whole and streamed as the OpenAI client reads them, with the same tokens,
 record and acceptance as chat completions, and what the server cannot do refused with a 400 naming the field."""
 
-import json
-import urllib.request
-
 import pytest
-from conftest import running_server
+from conftest import read_json_url, running_server
 
 from dspine.checkpoint import save_drafter
 from dspine.serve.protocol import RequestInvalid
@@ -118,7 +115,7 @@ def test_the_openai_clients_responses_equal_chat_completions(server):
         chat.usage.completion_tokens,
     )
     assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
-    record = json.loads(urllib.request.urlopen(f"{server}/v1/dspine/requests/{resp.id}", timeout=30).read())
+    record = read_json_url(f"{server}/v1/dspine/requests/{resp.id}")
     assert record["completion_tokens"] == resp.usage.output_tokens and record["spec"]["spec_verify_ct"] > 0
 
     events = list(

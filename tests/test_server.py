@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 from bad_requests import BAD, CHAT
-from conftest import running_server
+from conftest import READ_KEY, running_server
 
 from dspine.checkpoint import save_drafter
 from dspine.engine import Engine
@@ -33,7 +33,8 @@ def post(base, path, body, raw=None, ctype="application/json"):
 
 
 def get(base, path):
-    with urllib.request.urlopen(base + path, timeout=30) as r:
+    req = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {READ_KEY}"})  # records need it
+    with urllib.request.urlopen(req, timeout=30) as r:
         return r.read().decode()
 
 
@@ -68,6 +69,17 @@ def test_chat_returns_acceptance_in_sglang_shape(server, smollm2):
     rec = json.loads(get(server, f"/v1/dspine/requests/{j['id']}"))
     assert rec["workload"] == "swe" and rec["thinking"] == "none" and rec["spec"] == spec
     assert headers["x-dspine-request-id"] == j["id"]
+
+
+def test_records_and_drafter_reads_need_the_read_key(server):
+    """The records hold completions and token ids: without the read key (or with a wrong one) 401, named."""
+    for path in ("/v1/dspine/requests", "/v1/dspine/requests/nope", "/v1/dspine/drafter"):
+        for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": READ_KEY}):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(server + path, headers=auth), timeout=30)
+            assert refused.value.code == 401 and "read key" in json.loads(refused.value.read())["error"]["message"]
+    assert "data" in json.loads(get(server, "/v1/dspine/requests"))
+    assert json.loads(get(server, "/v1/dspine/drafter"))["drafter"].endswith("/dspine")
 
 
 def test_streaming_matches_non_streaming(server):
@@ -391,7 +403,7 @@ def test_limits_disconnects_and_sigterm(tmp_path):
     from dspine.serve.server import start_server_process
 
     extra = ["--max-queue", "2", "--grace-seconds", "3", "--body-timeout", "2"]
-    proc, base = start_server_process(None, "smol", extra=extra)
+    proc, base = start_server_process(None, "smol", extra=extra, env={"DSPINE_READ_KEY": READ_KEY})
     try:
         # a body shorter than its Content-Length holds the connection only until --body-timeout: 408
         host, port = base.removeprefix("http://").split(":")
@@ -488,6 +500,10 @@ def test_served_reply_equals_dspine_generate_up_to_the_context_window(tmp_path, 
     assert tree["draft_tree"] and "draft_tree" not in chain and tree["tau"] > 1 and chain["tau"] > 1
     proc, base = start_server_process(drafter, "smol", target=str(small))
     try:
+        for path in ("/v1/dspine/requests", "/v1/dspine/drafter"):  # no read key, no admin key: reads are closed
+            with pytest.raises(urllib.error.HTTPError) as closed:
+                urllib.request.urlopen(base + path, timeout=30)
+            assert closed.value.code == 403 and "--read-key" in json.loads(closed.value.read())["error"]["message"]
         body = {"model": "smol", "prompt": text, "max_tokens": room, "temperature": 0, "return_token_ids": True}
         for n in (1, 2):
             status, out, _ = post(base, "/v1/completions", {**body, "n": n})

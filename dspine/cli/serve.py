@@ -160,6 +160,12 @@ def cmd_proxy(a) -> int:
     )
     proc = start_proxy(cfg, log=sys.stdout)
     print(f"dspine proxy: LiteLLM on http://{a.host}:{a.port}/v1 (store {a.db}); Ctrl-C stops it", file=sys.stderr)
+    if not (os.environ.get("DSPINE_READ_KEY") or os.environ.get("DSPINE_ADMIN_KEY")):
+        print(
+            "dspine proxy: DSPINE_READ_KEY is not set, so the records of dspine serve backends (streamed "
+            "requests' acceptance, agent traffic's token ids) cannot be read: set it as on `dspine serve --read-key`",
+            file=sys.stderr,
+        )
 
     def stop(signum, frame):  # SIGTERM stops it like Ctrl-C
         raise KeyboardInterrupt

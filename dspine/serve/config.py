@@ -27,6 +27,13 @@ class ServeConfig:
         "(adapt/deploy.py); unset: swaps disabled",
         env="DSPINE_ADMIN_KEY",
     )
+    read_key: str | None = option(
+        None,
+        "bearer key of the record and drafter reads (GET /v1/dspine/requests, /v1/dspine/requests/ID: completions "
+        "and token ids; GET /v1/dspine/drafter); the admin key opens them too; neither set: they answer 403. "
+        "`dspine proxy` reads the same variable to fetch the records of streamed requests",
+        env="DSPINE_READ_KEY",
+    )
     request_timeout_s: float | None = option(
         None,
         "seconds a request may decode before it is aborted (finish_reason abort, recorded); a request's own "

@@ -21,7 +21,7 @@ class Route:
     path: str | None
 
     def info(self) -> dict:
-        return {"drafter": self.label, "path": self.path, "method": self.engine.method}
+        return {"drafter": self.label, "path": shown_path(self.path), "method": self.engine.method}
 
 
 def drafter_label(path: str) -> str:
@@ -29,6 +29,17 @@ def drafter_label(path: str) -> str:
     from pathlib import Path
 
     return "/".join(Path(path).resolve().parts[-2:])
+
+
+def shown_path(path: str | None) -> str | None:
+    """A drafter folder as the drafter reads show it: relative to the server's working directory when inside it
+    (where a swap back resolves it again), else as given."""
+    import os
+
+    if path is None or not os.path.isabs(path):
+        return path
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 class DrafterRegistry:
@@ -40,6 +51,19 @@ class DrafterRegistry:
         self.batcher, self.draft_dtype, self.lock = batcher, draft_dtype, lock
         self.swaps: list[dict] = []
         self.routes: dict[str, Route] = {}  # "tool" / "tool/high" -> a drafter beside the default one
+        self.labels: dict[str, str] = {}  # label -> the folder it names (resolved): two folders never share one
+
+    def unique_label(self, label: str, path: str) -> str:
+        """`label` for the folder `path`, unless it already names another folder: then `label@` and a short hash
+        of the folder, so records tell the two apart."""
+        import hashlib
+        import os
+
+        where = os.path.realpath(path)
+        if self.labels.get(label, where) != where:
+            label = f"{label}@{hashlib.sha1(where.encode()).hexdigest()[:6]}"
+        self.labels[label] = where
+        return label
 
     def swap(self, path: str, name: str | None = None, route: str | None = None, remove: bool = False) -> dict:
         """Serve another drafter ("none": AR): loaded and checked against the target first (a wrong or broken
@@ -51,10 +75,10 @@ class DrafterRegistry:
             return self._swap_route(route, path, name, remove)
         engine, label = self._engine_for(path, name)
         with self.lock:
-            previous = {"drafter": self.name, "path": self.path, "method": self.engine.method}
+            previous = {"drafter": self.name, "path": shown_path(self.path), "method": self.engine.method}
             self.engine, self.name, self.path = engine, label, None if engine.drafter is None else path
             self.batcher.use(engine, label)
-            current = {"drafter": label, "path": self.path, "method": engine.method}
+            current = {"drafter": label, "path": shown_path(self.path), "method": engine.method}
             self.swaps.append({"ts": time.time(), "previous": previous, "current": current})
         return {"previous": previous, "current": current}
 
@@ -73,7 +97,7 @@ class DrafterRegistry:
         engine = Engine(
             tgt, drafter, keep, block, cur.spec_max_batch, tree, cur.policy is not None, cur.suffix, cur.corpus
         )
-        return engine, None if drafter is None else (name or drafter_label(path))
+        return engine, None if drafter is None else (name or self.unique_label(drafter_label(path), path))
 
     def _swap_route(self, route: str, path: str, name: str | None, remove: bool) -> dict:
         if not ROUTE.fullmatch(route):
@@ -103,7 +127,7 @@ class DrafterRegistry:
             routes = {k: r.info() for k, r in sorted(self.routes.items())}
             return {
                 "drafter": self.name,
-                "path": self.path,
+                "path": shown_path(self.path),
                 "method": self.engine.method,
                 "routes": routes,
                 "swaps": self.swaps[-20:],

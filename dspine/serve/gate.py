@@ -14,7 +14,8 @@ While LiteLLM answers a request that is not streamed, the gate watches the clien
 cancels the request, so the backend aborts its decode instead of finishing it for no one (a stream sees its
 client go itself). A body slower than DSPINE_PROXY_BODY_TIMEOUT
 answers 408; LiteLLM's routes that would skip the gate (Azure-style and engine paths) and its admin UI are closed.
-At shutdown (SIGTERM) the proxy exits only once every answered request is recorded.
+At shutdown (SIGTERM: `drain_then`) the proxy keeps its port and answers new completion requests 503 with
+Retry-After while the open ones finish, and exits only once every answered request is recorded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import asyncio
 import hmac
 import json
 import os
+import threading
+import time
 
 from dspine.serve.protocol import RequestInvalid, error_body, parse_request, read_json
 
@@ -40,7 +43,10 @@ GATED = {
 # its admin UI without the key: closed (the UI opens with DSPINE_PROXY_UI=1)
 CLOSED = ("/openai/deployments", "/engines", "/ui", "/litellm/ui")
 MAX_BODY = 32 * 2**20
-COUNTS = {"answered": 0, "logged": 0}  # gated requests answered 200, and recorded by the acceptance callback
+# gated requests being answered, answered 200, and recorded by the acceptance callback
+COUNTS = {"inflight": 0, "answered": 0, "logged": 0}
+DRAIN: dict = {"since": None}  # set at the first SIGTERM: new completion requests get 503 + Retry-After
+GRACE_S = float(os.environ.get("DSPINE_PROXY_GRACE", "120"))  # the longest a drain waits for open requests
 BODY_TIMEOUT_S = float(os.environ.get("DSPINE_PROXY_BODY_TIMEOUT", "30"))  # slower bodies get 408 (--body-timeout)
 
 
@@ -50,8 +56,25 @@ def key_matches(given: str | None, key: str | None = None) -> bool:
     return bool(key) and hmac.compare_digest((given or "").encode(), key.encode())
 
 
-def check_body(raw: bytes, content_type: str, kind: str, models: set[str]) -> tuple[int, dict] | None:
-    """A request body (of a GATED kind) the proxy would pass on -> None, or (status, OpenAI error body)."""
+def drain_then(exit_now, grace_s: float | None = None) -> None:
+    """The proxy's first SIGTERM: from now on new completion requests answer 503 with Retry-After (the port stays
+    open, so a client is told to retry instead of refused); `exit_now()` (uvicorn's own shutdown) is called once
+    no gated request is open and every answered one is recorded, or after `grace_s` (DSPINE_PROXY_GRACE)."""
+    grace_s = GRACE_S if grace_s is None else grace_s
+    DRAIN["since"] = time.monotonic()
+
+    def wait():
+        deadline = time.monotonic() + grace_s
+        while (COUNTS["inflight"] or COUNTS["logged"] < COUNTS["answered"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        exit_now()
+
+    threading.Thread(target=wait, name="dspine-drain", daemon=True).start()
+
+
+def check_body(raw: bytes, content_type: str, kind: str, models: set[str]) -> tuple[int, dict]:
+    """A request body (of a GATED kind) -> (200, the JSON document the proxy passes on) or (status, OpenAI error
+    body)."""
     from dspine.serve.responses import to_chat
 
     try:
@@ -65,7 +88,7 @@ def check_body(raw: bytes, content_type: str, kind: str, models: set[str]) -> tu
     if models and doc["model"] not in models:
         msg = f"model {doc['model']!r} does not exist; this proxy serves {sorted(models)}"
         return 404, error_body(msg, 404, "model", "model_not_found")
-    return None
+    return 200, doc
 
 
 class RequestGate:
@@ -93,6 +116,17 @@ class RequestGate:
             return await self.app(scope, receive, send)
         if not self._authenticated(headers):
             return await _answer(send, 401, error_body(KEY_REFUSED, 401, "api_key"))
+        if DRAIN["since"] is not None:
+            body = error_body("the proxy is shutting down; retry later", 503, None, "shutting_down")
+            return await _answer(send, 503, body, [(b"retry-after", b"5")])
+        COUNTS["inflight"] += 1
+        try:
+            await self._gated(scope, receive, send, kind, headers)
+        finally:
+            COUNTS["inflight"] -= 1
+
+    async def _gated(self, scope, receive, send, kind: str, headers: dict) -> None:
+        """A gated request from an authenticated client: read, checked, passed on (or answered here)."""
         try:
             raw = await asyncio.wait_for(_read(receive), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -103,10 +137,9 @@ class RequestGate:
         if len(raw) > MAX_BODY:
             return await _answer(send, 413, error_body(f"the request body is over {MAX_BODY} bytes", 413))
         ctype = headers.get(b"content-type", b"").decode("latin-1").lower()
-        bad = check_body(raw, ctype, kind, self.models)
-        if bad is not None:
-            return await _answer(send, *bad)
-        doc = read_json(raw, ctype)
+        code, doc = check_body(raw, ctype, kind, self.models)
+        if code != 200:
+            return await _answer(send, code, doc)
         raw = json.dumps(doc).encode()  # as the server read it (a BOM or UTF-16 body too)
         fixed = {**headers, b"content-type": b"application/json", b"content-length": str(len(raw)).encode()}
         scope = {**scope, "headers": list(fixed.items())}
@@ -193,8 +226,8 @@ async def _read(receive) -> bytes | None:
     return raw
 
 
-async def _answer(send, status: int, body: dict) -> None:
+async def _answer(send, status: int, body: dict, extra: list | None = None) -> None:
     data = json.dumps(body).encode()
-    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())] + (extra or [])
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
     await send({"type": "http.response.body", "body": data})

@@ -15,7 +15,8 @@ cannot be found is still stored (τ empty) and counted in `dspine_proxy_lost_acc
 key) with a constant-time comparison against the master key: a missing or wrong key gets 401.
 
 Configured through the environment that `dspine proxy` sets: DSPINE_PROXY_DB, DSPINE_PROXY_METRICS_PORT,
-DSPINE_PROXY_KEY.
+DSPINE_PROXY_KEY; the backends' records are read with DSPINE_READ_KEY (dspine serve's --read-key; else
+DSPINE_ADMIN_KEY).
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ class DSpineLogger(CustomLogger):
         fetch_timeout_s: float = 10.0,
         routes: dict | None = None,
         api_bases: dict | None = None,
+        read_key: str | None = None,
     ):
         super().__init__()
+        self.read_key = read_key  # the backends' read key (dspine serve --read-key): their records are behind it
         self.routes = routes or {}  # WORKLOAD or WORKLOAD/LEVEL -> backend name (ProxyConfig.routes)
         # backend name -> its OpenAI base, where its records are asked for
         self.api_bases = api_bases or {}
@@ -84,12 +87,14 @@ class DSpineLogger(CustomLogger):
             int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0),
             routes=json.loads(os.environ.get("DSPINE_PROXY_ROUTES") or "{}"),
             api_bases=json.loads(os.environ.get("DSPINE_PROXY_API_BASES") or "{}"),
+            read_key=os.environ.get("DSPINE_READ_KEY") or os.environ.get("DSPINE_ADMIN_KEY"),
         )
 
     async def async_pre_call_hook(self, user_api_key_dict, cache, data: dict, call_type):
         """Pass the workload on to the backend (LiteLLM keeps request metadata to itself), so the server's own
         record and metrics carry the same label; agent traffic (a request with a workload) also asks the backend
-        for its exact token ids, which the callback stores as a trace row. A route for the workload (and level)
+        to keep its exact token ids in its record (`record_token_ids`: the client's reply gets no fields it did
+        not ask for), which the callback stores as a trace row. A route for the workload (and level)
         sends the request to its backend. A request's `timeout` goes on to the backend, where it limits the
         decode as it does on the server (LiteLLM would take it as its own upstream timeout)."""
         if data.get("timeout") is not None:  # the request's decode limit, as on the server
@@ -105,7 +110,7 @@ class DSpineLogger(CustomLogger):
         if workload is not None:
             extra = dict(data.get("extra_body") or {})
             extra["metadata"] = {**(extra.get("metadata") or {}), "workload": str(workload)}
-            extra["return_token_ids"] = True
+            extra["record_token_ids"] = True  # kept in the backend's record, not added to the client's reply
             data["extra_body"] = extra
         return data
 
@@ -120,7 +125,8 @@ class DSpineLogger(CustomLogger):
         url = api_base.rstrip("/") + f"/dspine/requests/{rid}"
         deadline = asyncio.get_running_loop().time() + self.fetch_timeout_s
         try:
-            async with httpx.AsyncClient(timeout=self.fetch_timeout_s) as c:
+            auth = {"Authorization": f"Bearer {self.read_key}"} if self.read_key else {}
+            async with httpx.AsyncClient(timeout=self.fetch_timeout_s, headers=auth) as c:
                 while True:
                     r = await c.get(url)
                     if r.status_code == 200:

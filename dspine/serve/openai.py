@@ -95,6 +95,7 @@ class Parsed:
     details: bool
     meta_info: bool
     token_ids: bool
+    record_ids: bool  # the record keeps the token ids (token_ids, or record_token_ids: the proxy's agent traffic)
     tool_names: set[str] | None  # the offered functions; None: no tools, the reply is plain content
     one_call: bool = False  # parallel_tool_calls false: at most one tool call per reply
     reasoning: bool = False  # a thinking target asked to think: its <think> block goes out as reasoning_content
@@ -191,6 +192,7 @@ class OpenAIShaping:
             details=req.return_spec_tokens_details,
             meta_info=req.return_meta_info,
             token_ids=req.return_token_ids,
+            record_ids=req.return_token_ids or req.record_token_ids,
             tool_names={t.function.name for t in tools} if tools else None,
             one_call=chat and req.parallel_tool_calls is False,
             reasoning=chat and effort != "none" and has_thinking_mode(self.engine.target.info.model_type),

@@ -153,6 +153,7 @@ class _Request(_Model):
     return_spec_tokens_details: Bool = False
     return_meta_info: Bool = False
     return_token_ids: Bool = False  # vLLM's field: prompt_token_ids (top level) and token_ids (per choice)
+    record_token_ids: Bool = False  # dspine's: the server's record keeps the exact ids, the reply does not carry them
     ignore_eos: Bool = False  # vLLM's and SGLang's field: decode past the end-of-sequence token
     user: str | None = None
     stream_options: dict[str, Any] | None = None  # usage always comes in the last chunk
@@ -330,6 +331,14 @@ ERROR_TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+def bearer_matches(authorization: str | None, *keys: str | None) -> bool:
+    """Whether an Authorization header is `Bearer K` for one of the keys that are set (constant time)."""
+    import hmac
+
+    given = (authorization or "")[7:].encode() if (authorization or "").lower().startswith("bearer ") else None
+    return given is not None and any(k and hmac.compare_digest(given, k.encode()) for k in keys)
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:

@@ -23,6 +23,7 @@ from dspine.io import atomic_write_text
 
 CALLBACKS_MODULE = "dspine_litellm_callbacks"
 KEY_ENV = "DSPINE_PROXY_KEY"
+READ_KEY_ENV = "DSPINE_READ_KEY"  # the backends' read key (dspine serve --read-key)
 
 
 @dataclass
@@ -134,10 +135,14 @@ def write_proxy_files(cfg: ProxyConfig) -> Path:
     return path
 
 
-def proxy_env(cfg: ProxyConfig, key: str) -> dict:
+def proxy_env(cfg: ProxyConfig, key: str, read_key: str | None = None) -> dict:
+    """The child's environment: the master key, the backends' read key (`read_key`, else DSPINE_READ_KEY as it
+    is: what the records of dspine serve backends are read with), the store, metrics, models and routes."""
     if not key:
         raise ConfigError(f"the proxy needs a master key: set {KEY_ENV}")
     env = dict(os.environ)
+    if read_key:
+        env[READ_KEY_ENV] = read_key
     env.update(
         {
             KEY_ENV: key,
@@ -180,13 +185,14 @@ def check_port_free(host: str, port: int, what: str) -> None:
             raise ConfigError(f"proxy: {what} {host}:{port} is busy ({e.strerror}); choose another port") from None
 
 
-def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None) -> subprocess.Popen:
+def start_proxy(cfg: ProxyConfig, key: str | None = None, log=None, read_key: str | None = None) -> subprocess.Popen:
     """Start LiteLLM (a child process in its own process group, ended by the kernel if this process dies) and
-    return once it answers; raises if a port is busy, or if it dies or never answers."""
+    return once it answers; raises if a port is busy, or if it dies or never answers. `read_key`: the dspine
+    serve backends' read key (default: DSPINE_READ_KEY)."""
     from dspine.process import wait_http
 
     key = key if key is not None else os.environ.get(KEY_ENV, "")
-    env = proxy_env(cfg, key)
+    env = proxy_env(cfg, key, read_key)
     check_port_free(cfg.host, cfg.port, "port")
     if cfg.metrics_port:
         check_port_free("127.0.0.1", cfg.metrics_port, "metrics port")

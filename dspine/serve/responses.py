@@ -58,7 +58,15 @@ _FIELDS = {
     "prompt",
     "max_tool_calls",
 }
-_PASS_ON = {"seed", "return_token_ids", "return_spec_tokens_details", "return_meta_info", "stop", "timeout"}
+_PASS_ON = {
+    "seed",
+    "return_token_ids",
+    "record_token_ids",
+    "return_spec_tokens_details",
+    "return_meta_info",
+    "stop",
+    "timeout",
+}
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 _NO_STATE = "this server keeps no conversations: send the whole conversation as `input`"
 

@@ -38,7 +38,7 @@ from dspine.serve.openai import (
     read_json,
     thinking_mode,
 )
-from dspine.serve.protocol import ROUTE, ROUTE_FORM
+from dspine.serve.protocol import ROUTE, ROUTE_FORM, bearer_matches
 from dspine.serve.records import RequestRecord
 from dspine.serve.service import Service
 
@@ -126,7 +126,7 @@ def swap_request(service: Service, authorization: str | None, raw: bytes) -> dic
 
     if not service.cfg.admin_key:
         raise BadRequest("drafter swaps are disabled: start dspine serve with --admin-key", status=403)
-    if authorization != f"Bearer {service.cfg.admin_key}":
+    if not bearer_matches(authorization, service.cfg.admin_key):
         raise BadRequest("a drafter swap needs the admin key (Authorization: Bearer ...)", status=401)
     body = read_json(raw)
     if not isinstance(body, dict):
@@ -244,9 +244,19 @@ def dspine_routes(app, service: Service) -> None:
     def error(e: BadRequest):
         return error_response(service, e)
 
+    def refused(request: Request):
+        """The reads' key check: None when the read key or the admin key came with the request, else the error."""
+        cfg = service.cfg
+        if not (cfg.read_key or cfg.admin_key):
+            msg = "records and drafter reads are closed: start dspine serve with --read-key (or --admin-key)"
+            return error(BadRequest(msg, status=403))
+        if not bearer_matches(request.headers.get("authorization"), cfg.read_key, cfg.admin_key):
+            return error(BadRequest("this read needs the read key (Authorization: Bearer ...)", status=401))
+        return None
+
     @app.get("/v1/dspine/drafter")
-    async def drafter_info():
-        return service.drafters()
+    async def drafter_info(request: Request):
+        return refused(request) or service.drafters()
 
     @app.post("/v1/dspine/drafter")
     async def drafter_swap(request: Request):  # {"drafter": FOLDER | "builtin" | "none", "name", "route", "remove"}
@@ -260,11 +270,15 @@ def dspine_routes(app, service: Service) -> None:
             return error(e)
 
     @app.get("/v1/dspine/requests")
-    async def recent(limit: int = 20):  # the latest finished requests' records, newest first
+    async def recent(request: Request, limit: int = 20):  # the latest finished requests' records, newest first
+        if (no := refused(request)) is not None:
+            return no
         return {"data": [r.to_json() for r in list(service.records.values())[-max(1, min(limit, 1000)) :][::-1]]}
 
     @app.get("/v1/dspine/requests/{rid}")
-    async def record(rid: str):
+    async def record(request: Request, rid: str):
+        if (no := refused(request)) is not None:
+            return no
         rec = service.records.get(rid)
         if rec is None:
             return error(BadRequest(f"no finished request {rid!r}", status=404))
@@ -390,15 +404,20 @@ def start_server_process(
     port: int | None = None,
     extra: list[str] | None = None,
     log=None,
+    env: dict | None = None,
 ):
-    """`dspine serve` as a child process on 127.0.0.1 -> (process, base URL), once /health answers."""
+    """`dspine serve` as a child process on 127.0.0.1 -> (process, base URL), once /health answers. `env`: added
+    to this process's environment (keys: DSPINE_READ_KEY, DSPINE_ADMIN_KEY — never on the command line)."""
+    import os
     import subprocess
     import sys
 
     port = port or free_port()
     cmd = [sys.executable, "-m", "dspine.cli", "serve", "--port", str(port), "--served-model-name", name]
     cmd += ["--drafter", str(drafter) if drafter else "none"] + (["--target", target] if target else []) + (extra or [])
-    proc = subprocess.Popen(cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
     base = f"http://127.0.0.1:{port}"
     wait_http(base + "/health", proc, 240)
     return proc, base

@@ -65,7 +65,11 @@ class Service(OpenAIShaping):
 
     @drafter_path.setter
     def drafter_path(self, path: str | None) -> None:
+        import os
+
         self.registry.path = path
+        if path and self.registry.name:  # the start's drafter: its label names this folder
+            self.registry.labels[self.registry.name] = os.path.realpath(path)
 
     def swap_drafter(self, path: str, name: str | None = None, route: str | None = None, remove: bool = False) -> dict:
         """Serve another drafter ("none": AR; "builtin": the one shipped for the target), by default or for one
@@ -182,8 +186,8 @@ class Service(OpenAIShaping):
             source="engine" if hist is not None else None,
             batch_size=max(r.batch_size for r in results),
             text=res.text,
-            prompt_token_ids=list(req.ids) if req.token_ids else None,
-            completion_token_ids=list(res.token_ids) if req.token_ids else None,
+            prompt_token_ids=list(req.ids) if req.record_ids else None,
+            completion_token_ids=list(res.token_ids) if req.record_ids else None,
         )
         self.records[rec.request_id] = rec
         while len(self.records) > self.cfg.max_records:
