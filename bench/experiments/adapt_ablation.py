@@ -50,16 +50,24 @@ def variant_row(name: str, doc: dict) -> dict:
 
 def table(doc: dict) -> str:
     cells = sorted({c for v in doc["variants"] for c in v["cells"]})
-    head = ["variant", *[f"{c} ratio (95% CI)" for c in cells], "general regression (95% CI)", "gate"]
+    head = [
+        "variant",
+        *[f"{c} ratio (95% CI)" for c in cells],
+        "general regression (95% CI)",
+        "gate",
+        "validation τ_sim",
+    ]
     rows = []
     for v in doc["variants"]:
-        row = [v["variant"]]
+        row = [v["variant"] + (f" ({v['git_sha'][:7]})" if v.get("git_sha") else "")]
         for c in cells:
             x = v["cells"].get(c)
             row.append(f"{x['ratio']:.3f} ({x['ratio_ci'][0]:.2f}–{x['ratio_ci'][1]:.2f})" if x else "—")
         g, ci = v["general_regression"], v["general_regression_ci"]
         row.append(f"{100 * g:+.1f}% ({100 * ci[0]:+.1f}% to {100 * ci[1]:+.1f}%)")
         row.append("; ".join(f"{k}: {'accept' if x['accept'] else 'refuse'}" for k, x in v["gate"].items()))
+        val = v.get("validation_tau_sim") or {}
+        row.append(", ".join(f"{g} {t:.2f}" for g, t in val.items() if t is not None) or "—")
         rows.append(row)
     first = doc["variants"][0]["cells"]
     sizes = ", ".join(f"{c}: {x['rows']} test rows, {x['tasks']} tasks, {x['tokens']} tokens" for c, x in first.items())
@@ -83,6 +91,18 @@ def main(argv=None) -> int:
     p.add_argument("--traces", help="the collection directory the variants were fine-tuned on")
     p.add_argument("--hardware", help="where the variants ran (default: their documents' hardware)")
     p.add_argument("--recipe", default="", help="how the variants were made (the commands), printed under the table")
+    p.add_argument(
+        "--validation",
+        action="append",
+        default=[],
+        help="NAME=PATH of a variant's finetune.json: its validation τ_sim (what picked its checkpoint and blend) "
+        "goes beside its test figures",
+    )
+    p.add_argument(
+        "--earlier",
+        help="an earlier adapt_ablation JSON on the same traces and split: its variants are kept first, each with "
+        "the git sha it ran at",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     docs = []
@@ -91,10 +111,21 @@ def main(argv=None) -> int:
         if not path:
             p.error(f"--variant {v!r}: NAME=PATH")
         docs.append((name, json.loads(Path(path).read_text())))
+    rows = [variant_row(n, d) for n, d in docs]
+    for v in a.validation:
+        name, _, path = v.partition("=")
+        row = next((r for r in rows if r["variant"] == name), None)
+        if row is None or not path:
+            p.error(f"--validation {v!r}: NAME=PATH with NAME one of the --variant names")
+        groups = json.loads(Path(path).read_text())["groups"]
+        row["validation_tau_sim"] = {g: x["last"].get("eval_tau_sim") for g, x in groups.items()}
+    if a.earlier:
+        before = json.loads(Path(a.earlier).read_text())
+        rows = [{**v, "git_sha": v.get("git_sha", before["git_sha"])} for v in before["variants"]] + rows
     doc = {
         **provenance(),
         "hardware": a.hardware or docs[0][1].get("hardware"),
-        "variants": [variant_row(n, d) for n, d in docs],
+        "variants": rows,
         "collection": collection(a.traces) if a.traces else {},
         "recipe": a.recipe,
     }
