@@ -253,7 +253,7 @@ def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams, me
     prompts, got = [r["ids"] for r in rows], {}
     for m in methods:
         t0 = time.time()
-        res = generate_stream(engines[m], prompts, params, a.concurrency)
+        res = generate_stream(engines[m], prompts, params, a.concurrency, workloads=[r["workload"] for r in rows])
         got[m] = (res, time.time() - t0)
         print(f"{m}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     doc = {**provenance(), "settings": vars(a), "concurrency": a.concurrency, "workloads": {}}

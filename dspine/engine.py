@@ -181,13 +181,19 @@ def generate_batch(
 
 
 def generate_stream(
-    engine: Engine, prompts: list, params=None, concurrency: int = 8, timings: dict | None = None
+    engine: Engine,
+    prompts: list,
+    params=None,
+    concurrency: int = 8,
+    timings: dict | None = None,
+    workloads: list[str] | None = None,
 ) -> list[GenerationResult]:
     """Decode the prompts with at most `concurrency` in flight (continuous batching, as `dspine serve`
     schedules): each round runs every open row; a finished row leaves at once and the next prompt, prefilled
     apart, joins the running batch -> one GenerationResult per prompt, in order. `params`: one SamplingParams
     or one per prompt (drawing tokens alike, as BatchDecode's rows). `timings` (a dict) gains "prefill_s", the
-    seconds spent prefilling joining prompts, and "rounds", the batched rounds run."""
+    seconds spent prefilling joining prompts, and "rounds", the batched rounds run. `workloads[i]`: whose part of
+    the suffix corpus drafts for prompt i (default: "default")."""
     if concurrency < 1:
         raise ValueError(f"concurrency {concurrency}: at least 1")
     per = params if isinstance(params, list) else [params] * len(prompts)
@@ -198,7 +204,8 @@ def generate_stream(
         if free > 0 and nxt < len(prompts):
             take = list(range(nxt, min(nxt + free, len(prompts))))
             t0 = time.perf_counter()
-            new = BatchDecode(engine, [prompts[i] for i in take], [per[i] for i in take], tags=take)
+            wl = [workloads[i] for i in take] if workloads is not None else None
+            new = BatchDecode(engine, [prompts[i] for i in take], [per[i] for i in take], tags=take, workloads=wl)
             nxt = take[-1] + 1
             out.update(new.pop_finished())
             if timings is not None:

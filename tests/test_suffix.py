@@ -238,6 +238,11 @@ def test_engine_generate_drafts_from_its_workloads_corpus(smollm2):
     plain = eng.generate(prompt, SamplingParams(max_tokens=40))
     assert tool.token_ids == plain.token_ids == first.token_ids
     assert tool.stats.tau > 2 * max(plain.stats.tau, 1.0) and plain.stats.tau == first.stats.tau
+    # generate_stream (the race at concurrency > 1, continuous batching) reads each prompt's workload alike
+    from dspine.engine import generate_stream
+
+    two = generate_stream(eng, [prompt, prompt], SamplingParams(max_tokens=40), 2, workloads=["tool", "default"])
+    assert [r.token_ids for r in two] == [first.token_ids] * 2 and two[0].stats.tau > 2 * max(two[1].stats.tau, 1.0)
 
 
 def test_bad_drafter_specs_and_corpora_are_one_clear_error(tmp_path, capsys):
