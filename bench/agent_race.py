@@ -23,6 +23,7 @@ time after the prefill.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -41,7 +42,17 @@ from dspine.target import load_target
 
 METHODS = ("ar", "suffix", "suffix+corpus", "dspine", "hybrid")
 ADAPTED = ("dspine-adapted", "hybrid-adapted")  # with --adapted: the fine-tuned drafter, alone and in the hybrid
-HYBRIDS = {"hybrid": "dspine", "hybrid-adapted": "dspine-adapted"}  # each hybrid against its own drafter alone
+
+
+def hybrid_pairs(methods) -> dict:
+    """Each hybrid method -> its DSpine drafter alone, what it is compared with beside suffix+corpus (hybrid and
+    its variants hybrid@skipN -> dspine; hybrid-adapted... -> dspine-adapted), where both are in the run."""
+    pairs = {m: "dspine-adapted" if m.startswith("hybrid-adapted") else "dspine" for m in methods if "hybrid" in m}
+    return {h: d for h, d in pairs.items() if d in methods and "suffix+corpus" in methods}
+
+
+def ratio_key(h: str) -> str:
+    return f"{h}_over_best_single".replace("-", "_")
 
 
 def corpus_text(m: dict) -> str:
@@ -125,13 +136,23 @@ def build_engines(a, target, cfg: SuffixConfig, corpus: SuffixCorpus) -> dict:
         "dspine": EngineOptions().build(target, drafter),
         "hybrid": EngineOptions(suffix=True).build(target, drafter),
     }
+    drafters = {"hybrid": drafter}
     if a.adapted:
         adapted = load_drafter(a.adapted, target, dtype, a.device)
         engines["dspine-adapted"] = EngineOptions().build(target, adapted)
         engines["hybrid-adapted"] = EngineOptions(suffix=True).build(target, adapted)
-    for m in HYBRIDS:
-        if m in engines:
-            engines[m].corpus = corpus  # the corpus above (EngineOptions starts an empty one)
+        drafters["hybrid-adapted"] = adapted
+    for skip in a.skip_drafter_tokens:  # the hybrids again, skipping the drafter from another suffix confidence
+        for h, d in drafters.items():
+            engines[f"{h}@skip{skip:g}"] = eng = EngineOptions(suffix=True).build(target, d)
+            eng.suffix = dataclasses.replace(eng.suffix, skip_drafter_tokens=skip)
+    for m in [m for m in engines if "hybrid" in m]:
+        engines[m].corpus = corpus  # the corpus above (EngineOptions starts an empty one)
+    if a.methods:
+        unknown = sorted(set(a.methods) - set(engines))
+        if unknown or "ar" not in a.methods:
+            raise SystemExit(f"--methods: {unknown or 'ar is needed'}; known: {', '.join(engines)}")
+        engines = {m: engines[m] for m in a.methods}
     return engines
 
 
@@ -166,6 +187,19 @@ def main(argv=None) -> int:
         default=1,
         help="above 1: every method decodes all turns with this many in flight (generate_stream, continuous "
         "batching as `dspine serve` schedules) and is reported by tokens/s over the whole run",
+    )
+    ap.add_argument(
+        "--skip-drafter-tokens",
+        type=lambda t: [float(x) for x in t.split(",") if x],
+        default=[],
+        help="comma-separated: each adds the hybrids again as hybrid@skipN, whose drafter is skipped when the suffix "
+        "draft expects N accepted tokens (the default hybrid: SuffixConfig.skip_drafter_tokens)",
+    )
+    ap.add_argument(
+        "--methods",
+        type=lambda t: [x for x in t.split(",") if x],
+        default=[],
+        help="comma-separated: only these methods (ar among them; default: all)",
     )
     a = ap.parse_args(argv)
     if a.save_rows:
@@ -207,9 +241,8 @@ def main(argv=None) -> int:
         }
         if done < len(rows):
             doc["partial"] = f"{done} of {len(rows)} turns measured"
-        doc["hybrid_over_best_single"] = doc["workloads"]["all"]["hybrid_over_best_single"]
-        if a.adapted:
-            doc["hybrid_adapted_over_best_single"] = doc["workloads"]["all"]["hybrid_adapted_over_best_single"]
+        for h in hybrid_pairs(methods):
+            doc[ratio_key(h)] = doc["workloads"]["all"][ratio_key(h)]
         atomic_write_text(out, json_text(doc))
         atomic_write_text(out.with_suffix(".md"), race_table(doc))
         return doc
@@ -240,7 +273,7 @@ def main(argv=None) -> int:
     doc = write(len(rows))
     table = race_table(doc)
     if a.summary:
-        keys = ("workloads", "hybrid_over_best_single", "hybrid_adapted_over_best_single", "git_sha", "command")
+        keys = ("workloads", *map(ratio_key, hybrid_pairs(methods)), "git_sha", "command")
         update_summary(a.summary, "agent_race", {k: doc[k] for k in (*keys, "hardware") if k in doc})
     print(table)
     return 0
@@ -266,8 +299,9 @@ def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams, me
     toks = {m: sum(len(r.token_ids) for r in res) for m, (res, _) in got.items()}
     doc["tokens_per_s"] = {m: round(toks[m] / secs, 2) for m, (_, secs) in got.items()}
     doc["speed_vs_ar"] = {m: round(doc["tokens_per_s"][m] / doc["tokens_per_s"]["ar"], 3) for m in methods}
-    best = max(doc["tokens_per_s"][m] for m in ("suffix+corpus", "dspine"))
-    doc["hybrid_over_best_single"] = round(doc["tokens_per_s"]["hybrid"] / best, 3)
+    pairs = hybrid_pairs(methods)
+    for h, d in pairs.items():
+        doc[ratio_key(h)] = round(doc["tokens_per_s"][h] / max(doc["tokens_per_s"][m] for m in ("suffix+corpus", d)), 3)
     rows_md = [
         [
             m,
@@ -281,7 +315,9 @@ def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams, me
         f"concurrency {a.concurrency}, {len(rows)} turns (all workloads), tokens/s over the whole run "
         "(prefills included)\n\n"
         + md_table(["method", "tok/s", "× AR", "= AR"], rows_md)
-        + f"\n\nhybrid / the faster of suffix+corpus and DSpine: {doc['hybrid_over_best_single']:.2f}\n\n"
+        + "\n\n"
+        + "".join(f"{h} / the faster of suffix+corpus and {d}: {doc[ratio_key(h)]:.2f}\n" for h, d in pairs.items())
+        + "\n"
         + f"{doc['git_sha'][:7]} · {doc['hardware']} · `{doc['command']}`\n"
     )
     out = Path(a.out)
@@ -320,10 +356,9 @@ def cell_figures(rows: list[dict], results: dict, methods: tuple) -> dict:
         for m in methods:
             cell["speed_vs_ar"][m] = round(cell["tokens_per_s"][m] / cell["tokens_per_s"]["ar"], 3)
             cell["decode_vs_ar"][m] = round(cell["decode_tokens_per_s"][m] / cell["decode_tokens_per_s"]["ar"], 3)
-        for h, d in HYBRIDS.items():
-            if h in methods:
-                best = max(cell["tokens_per_s"][m] for m in ("suffix+corpus", d))
-                cell[f"{h}_over_best_single".replace("-", "_")] = round(cell["tokens_per_s"][h] / best, 3)
+        for h, d in hybrid_pairs(methods).items():
+            best = max(cell["tokens_per_s"][m] for m in ("suffix+corpus", d))
+            cell[ratio_key(h)] = round(cell["tokens_per_s"][h] / best, 3)
         cell["ci95"] = task_intervals(rows, idx, results, methods)
         out[w] = cell
     return out
@@ -344,9 +379,8 @@ def task_intervals(rows: list[dict], idx: list[int], results: dict, methods: tup
         tps = {m: tok[m] / sum(results[m][i]["seconds"] for i in pick) for m in methods}
         out = {f"tau/{m}": (tok[m] - len(pick)) / max(1, sum(results[m][i]["rounds"] for i in pick)) for m in methods}
         out.update({f"x_ar/{m}": tps[m] / tps["ar"] for m in methods})
-        for h, d in HYBRIDS.items():
-            if h in methods:
-                out[f"{h}_over_best_single".replace("-", "_")] = tps[h] / max(tps["suffix+corpus"], tps[d])
+        for h, d in hybrid_pairs(methods).items():
+            out[ratio_key(h)] = tps[h] / max(tps["suffix+corpus"], tps[d])
         return out
 
     samples = [figures([i for g in rng.choices(groups, k=len(groups)) for i in g]) for _ in range(draws)]
@@ -378,17 +412,12 @@ def race_table(doc: dict) -> str:
         ]
         lines.append(md_table(["method", "τ", "tok/s", "× AR", "decode tok/s", "decode × AR", "= AR"], rows))
         ci = c.get("ci95", {})
-        lines.append(
-            f"\nhybrid / the faster of suffix+corpus and DSpine: {c['hybrid_over_best_single']:.2f} "
-            f"(95% over tasks {ci.get('hybrid_over_best_single')}); hybrid τ {ci.get('tau/hybrid')}, "
-            f"× AR {ci.get('x_ar/hybrid')}; DSpine τ {ci.get('tau/dspine')}, suffix τ {ci.get('tau/suffix')}\n"
-        )
-        if "hybrid_adapted_over_best_single" in c:
+        lines.append("")
+        for h, d in hybrid_pairs(doc.get("methods", METHODS)).items():
             lines.append(
-                f"hybrid-adapted / the faster of suffix+corpus and DSpine adapted: "
-                f"{c['hybrid_adapted_over_best_single']:.2f} (95% over tasks "
-                f"{ci.get('hybrid_adapted_over_best_single')}); hybrid-adapted τ {ci.get('tau/hybrid-adapted')}, "
-                f"× AR {ci.get('x_ar/hybrid-adapted')}; DSpine adapted τ {ci.get('tau/dspine-adapted')}\n"
+                f"{h} / the faster of suffix+corpus and {d}: {c[ratio_key(h)]:.2f} (95% over tasks "
+                f"{ci.get(ratio_key(h))}); {h} τ {ci.get('tau/' + h)}, × AR {ci.get('x_ar/' + h)}; {d} τ "
+                f"{ci.get('tau/' + d)}, suffix+corpus τ {ci.get('tau/suffix+corpus')}\n"
             )
     if doc.get("corpus"):
         lines.append(f"Corpus: {doc['corpus']}, {doc['corpus_tokens']} tokens per workload.\n")

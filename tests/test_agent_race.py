@@ -66,3 +66,13 @@ def test_the_measured_tasks_never_feed_the_corpus(tmp_path):
     ft.write_text(json.dumps({"groups": {"all": {"test_tasks": ["tool_replay:zz"]}}}))
     with pytest.raises(SystemExit, match="no turn of a held-out task"):
         select(_args(heldout=str(ft)), saved)
+
+
+def test_each_hybrid_is_compared_with_its_own_drafter_and_the_corpus_suffix():
+    from agent_race import hybrid_pairs, ratio_key
+
+    run = ["ar", "suffix+corpus", "dspine", "hybrid", "hybrid@skip2", "dspine-adapted", "hybrid-adapted@skip2"]
+    assert hybrid_pairs(run) == {"hybrid": "dspine", "hybrid@skip2": "dspine", "hybrid-adapted@skip2": "dspine-adapted"}
+    assert hybrid_pairs(["ar", "dspine", "hybrid"]) == {}  # no suffix+corpus in the run: nothing to compare with
+    assert hybrid_pairs(["ar", "suffix+corpus", "hybrid-adapted"]) == {}  # nor without its drafter alone
+    assert ratio_key("hybrid-adapted@skip2") == "hybrid_adapted@skip2_over_best_single"

@@ -95,9 +95,9 @@ class Parsed:
     details: bool
     meta_info: bool
     token_ids: bool
-    record_ids: bool  # the record keeps the token ids (token_ids, or record_token_ids: the proxy's agent traffic)
     tool_names: set[str] | None  # the offered functions; None: no tools, the reply is plain content
     one_call: bool = False  # parallel_tool_calls false: at most one tool call per reply
+    record_ids: bool = False  # the record keeps the token ids (token_ids, or record_token_ids: the proxy's agents)
     reasoning: bool = False  # a thinking target asked to think: its <think> block goes out as reasoning_content
     n: int = 1  # choices
     timeout_s: float | None = None  # decoding longer than this aborts the request
