@@ -173,8 +173,8 @@ def cmd_proxy(a) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         return proc.wait()
-    except KeyboardInterrupt:
-        return stop_proxy(proc)
+    except KeyboardInterrupt:  # the proxy drains first (503 to new requests): wait as long as it may
+        return stop_proxy(proc, timeout=float(os.environ.get("DSPINE_PROXY_GRACE", "120")) + 15)
 
 
 def cmd_dashboard(a) -> int:
