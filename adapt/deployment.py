@@ -65,6 +65,11 @@ class DeployConfig:
     state: str = ""  # the restarted backend's pid and command (default: backend.json beside the history)
     ready_timeout_s: float = 900.0
 
+    @property
+    def reader_key(self) -> str:
+        """What the server's records and drafter info are read with: the read key, else the admin key."""
+        return self.read_key or self.admin_key
+
     def validate(self) -> None:
         from dspine.config import ConfigError
 
@@ -112,7 +117,7 @@ def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) ->
     records -> pooled τ, requests, the drafters that decoded them. A server without dspine's records (SGLang):
     greedy /generate requests, τ from the counts each reply carries."""
     base = cfg.endpoint.rstrip("/")
-    key = cfg.read_key or cfg.admin_key
+    key = cfg.reader_key
     try:
         call_json(base + "/v1/dspine/drafter", key=key, timeout=30)
     except DeployError as e:
@@ -318,7 +323,7 @@ def deploy(cfg: DeployConfig) -> dict:
         _append(history, entry)
         return entry
     url = cfg.endpoint.rstrip("/") + "/v1/dspine/drafter"
-    served = call_json(url, key=cfg.read_key or cfg.admin_key)
+    served = call_json(url, key=cfg.reader_key)
     before = (served.get("routes") or {}).get(route) if route else served
     before = {k: before[k] for k in ("drafter", "path", "method")} if before else None
     body = {"drafter": info["path"], "name": f"adapted/{group}", **({"route": route} if route else {})}

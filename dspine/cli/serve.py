@@ -146,7 +146,15 @@ def cmd_serve(a) -> int:
 def cmd_proxy(a) -> int:
     import signal
 
-    from dspine.serve.proxy import ProxyConfig, parse_backend, parse_route, start_proxy, stop_proxy
+    from dspine.serve.gate import GRACE_S
+    from dspine.serve.proxy import (
+        ProxyConfig,
+        backend_read_key,
+        parse_backend,
+        parse_route,
+        start_proxy,
+        stop_proxy,
+    )
 
     cfg = ProxyConfig(
         backends=[parse_backend(b) for b in a.backend],
@@ -160,7 +168,7 @@ def cmd_proxy(a) -> int:
     )
     proc = start_proxy(cfg, log=sys.stdout)
     print(f"dspine proxy: LiteLLM on http://{a.host}:{a.port}/v1 (store {a.db}); Ctrl-C stops it", file=sys.stderr)
-    if not (os.environ.get("DSPINE_READ_KEY") or os.environ.get("DSPINE_ADMIN_KEY")):
+    if not backend_read_key():
         print(
             "dspine proxy: DSPINE_READ_KEY is not set, so the records of dspine serve backends (streamed "
             "requests' acceptance, agent traffic's token ids) cannot be read: set it as on `dspine serve --read-key`",
@@ -174,7 +182,7 @@ def cmd_proxy(a) -> int:
     try:
         return proc.wait()
     except KeyboardInterrupt:  # the proxy drains first (503 to new requests): wait as long as it may
-        return stop_proxy(proc, timeout=float(os.environ.get("DSPINE_PROXY_GRACE", "120")) + 15)
+        return stop_proxy(proc, timeout=GRACE_S + 15)
 
 
 def cmd_dashboard(a) -> int:

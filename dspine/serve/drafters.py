@@ -4,6 +4,7 @@ batches already decoding finish on the drafter they began with."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -34,8 +35,6 @@ def drafter_label(path: str) -> str:
 def shown_path(path: str | None) -> str | None:
     """A drafter folder as the drafter reads show it: relative to the server's working directory when inside it
     (where a swap back resolves it again), else as given."""
-    import os
-
     if path is None or not os.path.isabs(path):
         return path
     rel = os.path.relpath(path)
@@ -53,11 +52,16 @@ class DrafterRegistry:
         self.routes: dict[str, Route] = {}  # "tool" / "tool/high" -> a drafter beside the default one
         self.labels: dict[str, str] = {}  # label -> the folder it names (resolved): two folders never share one
 
+    def serve_from(self, path: str | None) -> None:
+        """The folder the start's drafter came from (what a rollback swaps to); its label now names that folder."""
+        self.path = path
+        if path and self.name:
+            self.labels[self.name] = os.path.realpath(path)
+
     def unique_label(self, label: str, path: str) -> str:
         """`label` for the folder `path`, unless it already names another folder: then `label@` and a short hash
         of the folder, so records tell the two apart."""
         import hashlib
-        import os
 
         where = os.path.realpath(path)
         if self.labels.get(label, where) != where:

@@ -21,13 +21,13 @@ Retry-After while the open ones finish, and exits only once every answered reque
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 import threading
 import time
 
 from dspine.serve.protocol import RequestInvalid, error_body, parse_request, read_json
+from dspine.serve.protocol import key_matches as protocol_key_matches
 
 KEY_REFUSED = "invalid or missing proxy key (Authorization: Bearer <key>)"
 # the gated routes -> what their body is: a chat request, a text completion, or a Responses request (serve.responses)
@@ -52,8 +52,7 @@ BODY_TIMEOUT_S = float(os.environ.get("DSPINE_PROXY_BODY_TIMEOUT", "30"))  # slo
 
 def key_matches(given: str | None, key: str | None = None) -> bool:
     """Constant-time comparison with the proxy's master key (None: DSPINE_PROXY_KEY); no key set: nothing matches."""
-    key = key if key is not None else os.environ.get("DSPINE_PROXY_KEY", "")
-    return bool(key) and hmac.compare_digest((given or "").encode(), key.encode())
+    return protocol_key_matches(given or "", key if key is not None else os.environ.get("DSPINE_PROXY_KEY", ""))
 
 
 def drain_then(exit_now, grace_s: float | None = None) -> None:

@@ -31,6 +31,7 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from dspine.serve.gate import COUNTS, KEY_REFUSED, key_matches
 from dspine.serve.metrics import AcceptanceMetrics
+from dspine.serve.proxy import backend_read_key
 from dspine.serve.records import RequestRecord
 from dspine.serve.store import AcceptanceStore
 
@@ -87,7 +88,7 @@ class DSpineLogger(CustomLogger):
             int(os.environ.get("DSPINE_PROXY_METRICS_PORT", "0") or 0),
             routes=json.loads(os.environ.get("DSPINE_PROXY_ROUTES") or "{}"),
             api_bases=json.loads(os.environ.get("DSPINE_PROXY_API_BASES") or "{}"),
-            read_key=os.environ.get("DSPINE_READ_KEY") or os.environ.get("DSPINE_ADMIN_KEY"),
+            read_key=backend_read_key(),
         )
 
     async def async_pre_call_hook(self, user_api_key_dict, cache, data: dict, call_type):

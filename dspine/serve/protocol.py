@@ -333,12 +333,17 @@ ERROR_TYPES = {
 }
 
 
-def bearer_matches(authorization: str | None, *keys: str | None) -> bool:
-    """Whether an Authorization header is `Bearer K` for one of the keys that are set (constant time)."""
+def key_matches(given: str | None, *keys: str | None) -> bool:
+    """Whether `given` is one of the keys that are set, compared in constant time; no key set: nothing matches."""
     import hmac
 
-    given = (authorization or "")[7:].encode() if (authorization or "").lower().startswith("bearer ") else None
-    return given is not None and any(k and hmac.compare_digest(given, k.encode()) for k in keys)
+    return given is not None and any(k and hmac.compare_digest(given.encode(), k.encode()) for k in keys)
+
+
+def bearer_matches(authorization: str | None, *keys: str | None) -> bool:
+    """Whether an Authorization header is `Bearer K` for one of the keys that are set (key_matches)."""
+    auth = authorization or ""
+    return auth.lower().startswith("bearer ") and key_matches(auth[7:], *keys)
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:

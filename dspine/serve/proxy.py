@@ -26,6 +26,12 @@ KEY_ENV = "DSPINE_PROXY_KEY"
 READ_KEY_ENV = "DSPINE_READ_KEY"  # the backends' read key (dspine serve --read-key)
 
 
+def backend_read_key(env=None) -> str | None:
+    """What the records of dspine serve backends are read with: DSPINE_READ_KEY, else DSPINE_ADMIN_KEY."""
+    env = os.environ if env is None else env
+    return env.get(READ_KEY_ENV) or env.get("DSPINE_ADMIN_KEY") or None
+
+
 @dataclass
 class Backend:
     name: str  # the model name clients ask the proxy for

@@ -65,11 +65,7 @@ class Service(OpenAIShaping):
 
     @drafter_path.setter
     def drafter_path(self, path: str | None) -> None:
-        import os
-
-        self.registry.path = path
-        if path and self.registry.name:  # the start's drafter: its label names this folder
-            self.registry.labels[self.registry.name] = os.path.realpath(path)
+        self.registry.serve_from(path)
 
     def swap_drafter(self, path: str, name: str | None = None, route: str | None = None, remove: bool = False) -> dict:
         """Serve another drafter ("none": AR; "builtin": the one shipped for the target), by default or for one
