@@ -64,7 +64,7 @@ class LocalRayHead:
     """`with LocalRayHead() as head:` — head.address (GCS, for ray.init / RAY_ADDRESS), head.dashboard (the job
     API, for `ray job submit --address`), head.env; its processes end when the block does."""
 
-    def __init__(self, num_cpus: int | None = None, start_timeout: float = 180):
+    def __init__(self, num_cpus: int | None = None, start_timeout: float = 180, num_gpus: int | None = None):
         self.env = ray_env()
         self.port, self.dash_port = free_port(), free_port()
         # short: Ray's unix sockets live below it (at most 107 bytes a path); removed by stop()
@@ -90,6 +90,8 @@ class LocalRayHead:
             str(num_cpus or os.cpu_count() or 2),
             "--disable-usage-stats",
         ]
+        if num_gpus is not None:  # default: Ray counts the GPUs it sees
+            cmd += ["--num-gpus", str(num_gpus)]
         self.log = open(Path(self.temp_dir) / "ray-start.log", "wb")
         self.proc = subprocess.Popen(
             cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
@@ -116,6 +118,19 @@ class LocalRayHead:
     def _log_tail(self) -> str:
         self.log.flush()
         return (Path(self.temp_dir) / "ray-start.log").read_text(errors="replace")[-2000:]
+
+    def record(self) -> dict:
+        """What a later process needs to use this head and to stop it (`stop_recorded`): addresses, temp dir, and
+        the pid and identity of `ray start`."""
+        from dspine.process import process_identity
+
+        return {
+            "address": self.address,
+            "dashboard": self.dashboard,
+            "temp_dir": self.temp_dir,
+            "pid": self.proc.pid,
+            "identity": process_identity(self.proc.pid),
+        }
 
     def pids(self) -> list[int]:
         """`ray start` and every process below it: the head's processes, and only those."""
@@ -147,3 +162,27 @@ class LocalRayHead:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_recorded(rec: dict, grace: float = 20) -> bool:
+    """Stop a head another process started (LocalRayHead.record) — only if its `ray start` is still that process
+    (start time and command line as recorded) -> whether it was running."""
+    from dspine.process import same_process
+
+    if not same_process(rec["pid"], rec.get("identity")):
+        return False
+    pids = [rec["pid"], *descendants(rec["pid"])]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + (grace if sig == signal.SIGTERM else 5)
+        while time.time() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.2)
+        pids = [p for p in pids if alive(p)]
+        if not pids:
+            break
+    shutil.rmtree(rec["temp_dir"], ignore_errors=True)
+    return True

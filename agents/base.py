@@ -3,15 +3,18 @@ SDK, and the trace it leaves.
 
 An episode is one task at one thinking level. Each model call goes out tagged with `metadata.workload` and
 `reasoning_effort`, asks the server for the exact token ids (`return_token_ids`) and its acceptance
-(`return_spec_tokens_details`), and becomes one `TraceRow`; the episode is bounded in turns, generated tokens
+(`return_spec_tokens_details`; SGLang 0.5.17: per-choice `meta_info` with `return_meta_info`), and becomes one
+`TraceRow`; the episode is bounded in turns, generated tokens
 and wall time (`EpisodeLimit` ends it with its reason). Tools run in the episode's `Jail`; a tool that fails
 gives its error to the model as the tool's result.
 
 Token ids: the request sets `return_token_ids`, which the embedded server answers with `prompt_token_ids` (top
 level) and per-choice `token_ids` (vLLM's convention) and SGLang's OpenAI endpoints with per-choice
 `prompt_token_ids` and `token_ids` (non-streaming); LiteLLM passes top-level extras through and per-choice ones as
-`provider_specific_fields`, and both places are read. A backend that returns no ids leaves the row's ids empty
-and `has_token_ids` False: training masks are made from ids only, never from re-rendered text.
+`provider_specific_fields`, and both places are read. Through `dspine proxy` (whose per-choice extras LiteLLM's SDK
+drops) they arrive at the top level: `prompt_token_ids`, `completion_token_ids`, `meta_info`. A backend that returns
+no ids leaves the row's ids empty and `has_token_ids` False: training masks are made from ids only, never from
+re-rendered text.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dspine.agents.sandbox import Jail, JailLimits
+from dspine.stats import AcceptanceStats
 
 LEVELS = ("none", "low", "medium", "high", "xhigh")
 REFUSED = ("BadRequestError", "ContextWindowExceededError")  # LiteLLM's exceptions for a 400 from the endpoint
@@ -189,6 +193,7 @@ class Episode:
                 "metadata": {"workload": self.task.workload, "episode_id": self.id, "task_id": self.task.task_id},
                 "return_token_ids": True,
                 "return_spec_tokens_details": True,
+                "return_meta_info": True,  # SGLang 0.5.17 reports acceptance per choice in meta_info only
             },
         )
         latency = time.time() - t0
@@ -196,9 +201,13 @@ class Episode:
         msg = choice.message
         psf = getattr(choice, "provider_specific_fields", None) or {}
         prompt_ids = list(getattr(resp, "prompt_token_ids", None) or psf.get("prompt_token_ids") or [])
-        out_ids = list(psf.get("token_ids") or getattr(choice, "token_ids", None) or [])
-        spec = (getattr(resp, "sglext", None) or {}).get("spec_tokens_details") or {}
-        hist = list(spec.get("spec_correct_drafts_histogram") or [])
+        out_ids = psf.get("token_ids") or getattr(choice, "token_ids", None)
+        out_ids = out_ids or getattr(resp, "completion_token_ids", None)
+        out_ids = list(out_ids or [])
+        spec = (getattr(resp, "sglext", None) or {}).get("spec_tokens_details") or psf.get("meta_info")
+        spec = spec or getattr(resp, "meta_info", None) or {}
+        st = AcceptanceStats.from_sglang_meta(spec)
+        hist = list(st.accept_hist) if st else []
         calls = [c.model_dump() if hasattr(c, "model_dump") else dict(c) for c in (msg.tool_calls or [])]
         usage = resp.usage
         row = TraceRow(
@@ -219,7 +228,7 @@ class Episode:
             prompt_tokens=usage.prompt_tokens if usage else len(prompt_ids),
             completion_tokens=usage.completion_tokens if usage else len(out_ids),
             accept_hist=hist,
-            tau=spec.get("spec_accept_length") if hist else None,
+            tau=st.tau if st else None,
             sampling=json.dumps(
                 {"temperature": self.cfg.temperature, "max_tokens": max_tokens, "reasoning_effort": self.level}
             ),

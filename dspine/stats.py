@@ -85,6 +85,18 @@ class AcceptanceStats:
     def from_dict(cls, d: dict) -> AcceptanceStats:
         return cls(int(d["block_size"]), [int(x) for x in d["accept_hist"]])
 
+    @classmethod
+    def from_sglang_meta(cls, meta: dict | None) -> AcceptanceStats | None:
+        """A request's acceptance from SGLang's per-request fields (meta_info, or sglext.spec_tokens_details), None
+        without a histogram. SGLang's histogram only reaches the largest count seen; its width (the block) is
+        the proposed drafts per verify round + 1."""
+        hist = (meta or {}).get("spec_correct_drafts_histogram")
+        if not hist:
+            return None
+        rounds, proposed = meta.get("spec_verify_ct"), meta.get("spec_num_proposed_drafts")
+        width = proposed // rounds + 1 if rounds and proposed else len(hist)
+        return cls(max(width, len(hist)), [int(x) for x in hist])
+
     def sglang_meta(self) -> dict:
         """The per-request fields SGLang 0.5.23 reports (meta_info / sglext.spec_tokens_details)."""
         return {

@@ -311,6 +311,28 @@ def test_agent_traffic_through_the_proxy_exports_as_traces(stack, smollm2, tmp_p
         assert r["accept_hist"] == own["spec"]["spec_correct_drafts_histogram"] and r["thinking"] == "low"
 
 
+def test_an_agents_call_through_the_proxy_keeps_its_ids_and_acceptance(stack, smollm2, tmp_path):
+    """An agent harness's model call (LiteLLM's SDK, as collect.py runs it) through the proxy: the per-choice
+    ids and acceptance, which the SDK drops from a proxy's reply, reach the trace row at the top level, equal to
+    the server's own record; a client that asks for nothing gets none of them."""
+    from openai import OpenAI
+
+    from dspine.agents.base import AgentConfig, Episode, Task
+
+    cfg = AgentConfig(endpoint=stack["proxy"] + "/v1", model="smol", api_key=KEY, max_tokens=12)
+    ep = Episode(cfg, Task("t-9", "tool", "Say hi."), "low", "ep-9", tmp_path / "ep", {})
+    resp = ep.chat([{"role": "user", "content": "Name three colours."}])
+    row = ep.rows[-1]
+    own = read_json_url(f"{stack['server']}/v1/dspine/requests/{resp.id}")
+    assert row.has_token_ids and row.prompt_token_ids == own["prompt_token_ids"]
+    assert smollm2.decode(row.completion_token_ids) == own["text"] == resp.choices[0].message.content
+    assert row.accept_hist == own["spec"]["spec_correct_drafts_histogram"] and row.tau == pytest.approx(own["tau"])
+    plain = OpenAI(base_url=stack["proxy"] + "/v1", api_key=KEY).chat.completions.create(
+        model="smol", max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert not set(plain.model_extra or {}) & {"prompt_token_ids", "completion_token_ids", "meta_info"}
+
+
 def test_proxy_fails_fast_on_a_busy_port_and_its_child_dies_with_it(stack, tmp_path):
     import socket
 

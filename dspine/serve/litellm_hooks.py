@@ -34,6 +34,7 @@ from dspine.serve.metrics import AcceptanceMetrics
 from dspine.serve.proxy import backend_read_key
 from dspine.serve.records import RequestRecord
 from dspine.serve.store import AcceptanceStore
+from dspine.stats import AcceptanceStats
 
 _METRICS = None
 
@@ -51,14 +52,20 @@ def _metrics(port: int) -> AcceptanceMetrics:
 
 
 def acceptance_from_response(resp) -> dict | None:
-    """SGLang-shaped acceptance fields carried on a (non-streaming) response, if any."""
+    """SGLang-shaped acceptance fields carried on a (non-streaming) response, if any: top-level `meta_info` or
+    `sglext.spec_tokens_details`, or the first choice's `meta_info` (SGLang 0.5.17 with `return_meta_info`, which
+    LiteLLM keeps among the choice's provider_specific_fields); the histogram widened to the drafter's block."""
     extra = getattr(resp, "model_extra", None) or {}
+    choice = (getattr(resp, "choices", None) or [None])[0]
+    psf = getattr(choice, "provider_specific_fields", None) or {}
     for blob in (
         getattr(resp, "meta_info", None) or extra.get("meta_info"),
         ((getattr(resp, "sglext", None) or extra.get("sglext")) or {}).get("spec_tokens_details"),
+        psf.get("meta_info") or getattr(choice, "meta_info", None),
     ):
-        if isinstance(blob, dict) and "spec_correct_drafts_histogram" in blob:
-            return blob
+        st = AcceptanceStats.from_sglang_meta(blob) if isinstance(blob, dict) else None
+        if st is not None:
+            return {**blob, "spec_correct_drafts_histogram": list(st.accept_hist)}
     return None
 
 
@@ -114,6 +121,12 @@ class DSpineLogger(CustomLogger):
             extra["record_token_ids"] = True  # kept in the backend's record, not added to the client's reply
             data["extra_body"] = extra
         return data
+
+    async def async_post_call_success_hook(self, data: dict, user_api_key_dict, response):
+        """Lift what the client asked for from the reply's first choice to its top level (`lift_choice_fields`):
+        LiteLLM's SDK, which the agents call the proxy with, drops a proxy reply's per-choice extras."""
+        lift_choice_fields(response, data)
+        return response
 
     async def _backend_record(self, api_base: str | None, rid: str | None) -> dict | None:
         """The backend's record of request `rid`. A dspine backend that has not finished it yet (a stream the
@@ -186,8 +199,9 @@ class DSpineLogger(CustomLogger):
             source=source,
             finish_reason=b.get("finish_reason"),
             text=b.get("text"),
-            prompt_token_ids=b.get("prompt_token_ids"),
-            completion_token_ids=b.get("completion_token_ids"),
+            # a backend without records (SGLang) carries the ids on the reply when the client asked for them
+            prompt_token_ids=b.get("prompt_token_ids") or reply_ids(response_obj, "prompt_token_ids"),
+            completion_token_ids=b.get("completion_token_ids") or reply_ids(response_obj, "token_ids"),
         )
         trace = None
         if rec.prompt_token_ids:
@@ -212,6 +226,32 @@ class DSpineLogger(CustomLogger):
         self.metrics.observe(rec)
         if hist is None and (rec.drafter is not None or backend is None):
             self.metrics.lost.labels(model=rec.model).inc()
+
+
+def lift_choice_fields(resp, request: dict) -> None:
+    """Per-choice token ids and acceptance (SGLang 0.5.17's `prompt_token_ids`, `token_ids`, `meta_info`; dspine
+    serve's completion `token_ids`) copied to the reply's top level as `prompt_token_ids`, `completion_token_ids`
+    and `meta_info` — only those the request asked for (return_token_ids, return_meta_info) and not already there."""
+    asked = {**(request.get("extra_body") or {}), **request}
+    choice = (getattr(resp, "choices", None) or [None])[0]
+    psf = getattr(choice, "provider_specific_fields", None) or {}
+    pairs = []
+    if asked.get("return_token_ids"):
+        pairs += [("prompt_token_ids", "prompt_token_ids"), ("token_ids", "completion_token_ids")]
+    if asked.get("return_meta_info"):
+        pairs.append(("meta_info", "meta_info"))
+    for src, dst in pairs:
+        if psf.get(src) is not None and getattr(resp, dst, None) is None:
+            setattr(resp, dst, psf[src])
+
+
+def reply_ids(resp, key: str) -> list[int] | None:
+    """Token ids a reply carries (return_token_ids): top level (dspine serve's prompt ids) or on the first choice
+    (SGLang's; LiteLLM keeps them among its provider_specific_fields)."""
+    choice = (getattr(resp, "choices", None) or [None])[0]
+    psf = getattr(choice, "provider_specific_fields", None) or {}
+    ids = getattr(resp, "prompt_token_ids", None) if key == "prompt_token_ids" else None
+    return list(ids or psf.get(key) or getattr(choice, key, None) or []) or None
 
 
 def backend_id(rid: str | None) -> str | None:

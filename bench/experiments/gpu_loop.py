@@ -1,0 +1,804 @@
+"""The mission's GPU path as one script: Ray collects agent traffic from SGLang through `dspine proxy`, Ray Train
+adapts the drafter, the held-out rows are replayed through SGLang and through the engine, the gate decides, and
+the deploy restarts SGLang with the adapted drafter behind the proxy (then a broken drafter, deployed on purpose,
+is rolled back).
+
+On a GPU box with SGLang 0.5.17 and dspine[proxy,adapt] installed (the dspine plugin registered: `pip install -e .`
+does it), one command does it all:
+
+    python bench/experiments/gpu_loop.py all --work /tmp/gpuloop --out bench/results/gpu_loop.json
+
+Stages, each one command (run them in order; a stage reads what the earlier ones left in WORK/state.json, so a
+box whose calls are time-limited can run them one by one while the servers stay up):
+  up       a Ray head on 127.0.0.1 (its own temp dir and ports), SGLang serving the target with the dspine plugin
+           and the base drafter (started as adapt/deploy.py restarts it), `dspine proxy` in front of it
+  collect  `ray job submit ... adapt/collect.py` through the proxy: the live harnesses at two thinking levels and
+           the replay of the shipped real agent conversations, token ids and acceptance from SGLang
+  adapt    `ray job submit ... adapt/finetune.py` (Ray Train, one GPU worker) on the merged collection, split by
+           task with a validation part; adapt/evaluate.py replays the test rows through the engine and gates
+  replay   the same test rows through SGLang (/generate on the exact prompt ids; τ from its meta_info) beside the
+           engine's replay; agreement within --tolerance
+  deploy   adapt/deploy.py restarts SGLang with the adapted drafter (exported) while clients keep sending through
+           the proxy (a 503 or a refused connection is retried; lost = gave up); the live τ check; the test rows
+           through the adapted server; then a drafter with random weights deployed on purpose: rolled back
+  report   τ per workload × level from the proxy's store before and after the deploy; JSON + Markdown (--out) and
+           the `gpu_loop` section of --summary
+  down     stops what `up` started (by the pids it recorded, checked against their start time and command line)
+`--backend dspine` runs every stage against `dspine serve` instead (any machine, CPU included): a rehearsal of the
+orchestration, restarted the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from dspine.io import atomic_write_text, md_table, provenance, update_summary
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ("up", "collect", "adapt", "replay", "deploy", "report")
+# SGLang for the loop: triton attention and torch sampling (no FA3 / flashinfer JIT needed), the radix cache on
+# (agent turns share their prefixes), no CUDA graphs (each restart would recapture them), a small KV pool so
+# Ray Train and the engine's evaluation share the GPU with it
+SGLANG_FLAGS = (
+    "--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --mem-fraction-static 0.3 "
+    "--max-total-tokens 131072 --max-running-requests 32"
+)
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_loop {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Loop:
+    def __init__(self, a: argparse.Namespace):
+        self.a = a
+        self.work = Path(a.work).resolve()
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.work / "state.json"
+        self.result_path = self.work / "gpu_loop.json"
+        self.state = json.loads(self.state_path.read_text()) if self.state_path.is_file() else {}
+        self.result = json.loads(self.result_path.read_text()) if self.result_path.is_file() else {}
+
+    # --- bookkeeping ------------------------------------------------------------------------------------------
+    def save(self) -> None:
+        atomic_write_text(self.state_path, json.dumps(self.state, indent=1))
+        atomic_write_text(self.result_path, json.dumps(self.result, indent=1))
+
+    def need(self, *keys: str) -> None:
+        missing = [k for k in keys if k not in self.state]
+        if missing:
+            raise SystemExit(f"gpu_loop: run the earlier stages first (state lacks {', '.join(missing)})")
+
+    def env(self) -> dict:
+        from dspine.adapt.cluster import ray_env
+
+        env = ray_env()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+        return env
+
+    def run(self, cmd: list[str], name: str, timeout: float | None = None) -> int:
+        """A child in the foreground, its output in WORK/logs/NAME.log (the last lines echoed) -> its exit code."""
+        path = self.work / "logs" / f"{name}.log"
+        path.parent.mkdir(exist_ok=True)
+        log(f"{name}: {shlex.join(cmd)[:300]}")
+        t0 = time.time()
+        with open(path, "wb") as out:
+            try:
+                proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env(), timeout=timeout)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        tail = path.read_text(errors="replace").splitlines()[-12:]
+        log(f"{name}: rc {rc} in {time.time() - t0:.0f} s\n    " + "\n    ".join(tail))
+        return rc
+
+    def ray_job(self, args: list[str], name: str, timeout: float | None = None) -> int:
+        """`ray job submit` of `python ARGS` to our head, with this checkout as its working dir."""
+        self.need("ray")
+        rt = json.dumps({"excludes": [".git", ".carry", ".whl", "runs", "*.safetensors", "*.gguf"]})
+        cmd = ["ray", "job", "submit", "--address", self.state["ray"]["dashboard"], "--working-dir", str(ROOT)]
+        cmd += ["--runtime-env-json", rt, "--", sys.executable, *args]
+        return self.run(cmd, name, timeout)
+
+    # --- the backend ------------------------------------------------------------------------------------------
+    def backend_command(self) -> str:
+        """The start command of the backend, with {drafter} and {port} (adapt/deploy.py's `restart`)."""
+        py = shlex.quote(sys.executable)
+        if self.a.backend == "sglang":
+            return (
+                f"{py} -m sglang.launch_server --model-path {shlex.quote(self.state['target_dir'])} --host 127.0.0.1 "
+                f"--port {{port}} --served-model-name {self.a.model} --dtype bfloat16 --context-length "
+                f"{self.a.context} {SGLANG_FLAGS} --speculative-algorithm DFLASH --speculative-draft-model-path "
+                f"{{drafter}} --speculative-num-draft-tokens {self.state['block_size']}"
+            )
+        return (
+            f"{py} -m dspine.cli serve --target {shlex.quote(self.a.target)} --drafter {{drafter}} --port {{port}} "
+            f"--served-model-name {self.a.model} --device {self.a.device} --max-prompt-tokens {self.a.context - 256}"
+        )
+
+    def deploy_cfg(self, **kw):
+        from dspine.adapt.deployment import DeployConfig
+
+        return DeployConfig(
+            endpoint=f"http://127.0.0.1:{self.state['backend_port']}",
+            admin_key=self.state["admin_key"],
+            read_key=self.state["admin_key"],
+            state=str(self.work / "backend.json"),
+            history=str(self.work / "deploys.jsonl"),
+            **kw,
+        )
+
+    # --- stages -----------------------------------------------------------------------------------------------
+    def up(self) -> None:
+        from dspine.adapt.cluster import LocalRayHead
+        from dspine.adapt.deployment import start_backend
+        from dspine.process import free_port, wait_http
+        from dspine.target import resolve_target_path
+
+        t0 = time.time()
+        self.state.setdefault("admin_key", secrets.token_hex(16))
+        self.state.setdefault("proxy_key", "sk-" + secrets.token_hex(16))
+        if "ray" not in self.state:
+            head = LocalRayHead(num_cpus=self.a.ray_cpus, num_gpus=1 if self.a.device == "cuda" else 0)
+            self.state["ray"] = head.record()
+            log(f"ray head at {head.address}, jobs at {head.dashboard}")
+        drafter = str(Path(self.a.drafter).resolve())
+        if self.a.backend == "sglang":
+            from dspine.sglang.bench import ensure_export
+
+            self.state["target_dir"] = str(resolve_target_path(self.a.target))
+            drafter, self.state["block_size"] = ensure_export(drafter, self.work, "base")
+        self.state["base_drafter"] = drafter
+        self.save()
+        if "backend_port" not in self.state:
+            self.state["backend_port"] = free_port()
+            cfg = self.deploy_cfg(ready_timeout_s=self.a.ready_timeout)
+            os.environ.update({k: v for k, v in self.env().items() if k == "PYTHONPATH"})
+            os.environ["DSPINE_ADMIN_KEY"] = self.state["admin_key"]
+            cmd = self.backend_command().format(drafter=drafter, port=self.state["backend_port"])
+            t1 = time.time()
+            start_backend(cfg, cmd, Path(cfg.state), drafter)
+            self.result["backend_start_s"] = round(time.time() - t1, 1)
+            log(f"{self.a.backend} serves on {self.state['backend_port']} after {time.time() - t1:.0f} s")
+            self.save()
+        if "proxy" not in self.state:
+            port = free_port()
+            env = {
+                **self.env(),
+                "DSPINE_PROXY_KEY": self.state["proxy_key"],
+                "DSPINE_READ_KEY": self.state["admin_key"],
+            }
+            backend = f"{self.a.model}=http://127.0.0.1:{self.state['backend_port']}/v1@{self.a.model}"
+            cmd = [sys.executable, "-m", "dspine.cli", "proxy", "--backend", backend, "--port", str(port)]
+            cmd += ["--db", str(self.work / "proxy.db"), "--workdir", str(self.work / "proxy")]
+            out = open(self.work / "proxy.log", "ab")
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            wait_http(f"http://127.0.0.1:{port}/health/liveliness", proc, 180)
+            from dspine.process import process_identity
+
+            self.state["proxy"] = {"port": port, "pid": proc.pid, "identity": process_identity(proc.pid)}
+            log(f"proxy on {port}")
+        self.result["up_s"] = round(time.time() - t0, 1)
+        self.result["backend"] = self.a.backend
+        self.save()
+
+    def collect(self) -> None:
+        self.need("proxy")
+        endpoint = f"http://127.0.0.1:{self.state['proxy']['port']}/v1"
+        common = ["--endpoint", endpoint, "--api-key", self.state["proxy_key"], "--model", self.a.model]
+        common += ["--concurrency", str(self.a.concurrency)]
+        runs = {}
+        t0 = time.time()
+        if self.a.live_episodes:
+            out = self.work / "collect-live"
+            args = ["adapt/collect.py", *common, "--out", str(out), "--workloads", self.a.live_workloads]
+            args += ["--levels", "low,high", "--episodes", str(self.a.live_episodes), "--max-turns", "4"]
+            args += ["--max-tokens", str(self.a.live_tokens)]
+            t1 = time.time()
+            runs["live"] = {"rc": self.ray_job(args, "collect-live"), "seconds": round(time.time() - t1, 1)}
+            runs["live"]["accounts"] = _read_json(out / "accounts.json")
+        out = self.work / "collect-replay"
+        args = ["adapt/collect.py", "--source", "replay", "--conversations", self.a.conversations, *common]
+        args += ["--out", str(out), "--levels", "none", "--max-tokens", str(self.a.replay_tokens), "--skip-oversize"]
+        args += ["--max-context", str(self.a.context), "--tokenizer", self.state.get("target_dir", self.a.target)]
+        if self.a.max_conversations:
+            args += ["--max-conversations", str(self.a.max_conversations)]
+        if self.a.replay_turns:
+            args += ["--max-turns", str(self.a.replay_turns)]
+        t1 = time.time()
+        runs["replay"] = {"rc": self.ray_job(args, "collect-replay"), "seconds": round(time.time() - t1, 1)}
+        runs["replay"]["accounts"] = _read_json(out / "accounts.json")
+        merged = merge_collections([self.work / "collect-live", out], self.work / "traces")
+        self.result["collect"] = {"runs": runs, "rows": merged, "seconds": round(time.time() - t0, 1)}
+        self.result["collect"].update(trace_figures(self.work / "traces", time.time() - t0))
+        self.state["collected_until"] = time.time()
+        self.save()
+
+    def adapt(self) -> None:
+        self.need("base_drafter")
+        ft = self.work / "finetune"
+        args = ["adapt/finetune.py", "--traces", str(self.work / "traces"), "--out", str(ft)]
+        args += ["--base", self.a.drafter, "--target", self.a.target, "--workers", "1", "--device", self.a.device]
+        args += [f"train.time_budget_s={self.a.train_s}", "train.steps=100000", "train.batch_size=8"]
+        args += ["train.max_len=2048", "train.anchors_per_seq=64", "train.eval_every=50", "train.warmup_steps=20"]
+        args += ["per=all", "mode=full", "train.lr=1e-4", "blend_choices=[0.5,0.7,1.0]"]
+        t0 = time.time()
+        rc = self.ray_job(args, "finetune")
+        doc = _read_json(ft / "finetune.json") or {}
+        self.result["finetune"] = {
+            "rc": rc,
+            "seconds": round(time.time() - t0, 1),
+            "workers": 1,
+            "groups": {
+                g: {k: v.get(k) for k in ("steps", "train_seconds", "parts", "blend", "rows")}
+                for g, v in (doc.get("groups") or {}).items()
+                if isinstance(v, dict)
+            },
+        }
+        self.save()
+        if rc:
+            raise SystemExit("gpu_loop: the fine-tune failed (see logs/finetune.log)")
+        t0 = time.time()
+        ev = [sys.executable, "adapt/evaluate.py", "--finetune", str(ft), "--out", str(self.work / "adapt.json")]
+        ev += [f"limit={self.a.general_limit}", "batch_size=32", f"general_workers={self.a.general_workers}"]
+        rc = self.run(ev, "evaluate")
+        doc = _read_json(self.work / "adapt.json") or {}
+        self.result["evaluate"] = {
+            "rc": rc,
+            "seconds": round(time.time() - t0, 1),
+            "per_cell": {
+                c: {k: v.get(k) for k in ("base", "adapted", "ratio", "ratio_ci", "rows", "tasks", "tokens", "too_few")}
+                for c, v in (doc.get("per_cell") or {}).items()
+            },
+            "general_regression": doc.get("general_regression"),
+            "general_regression_ci": doc.get("general_regression_ci"),
+            "gate": doc.get("gate"),
+        }
+        self.save()
+
+    def test_rows(self) -> list[dict]:
+        """The fine-tune's test rows (held out by task): prompt and completion ids, workload, level."""
+        from dspine.agents.traces import load_traces
+
+        doc = json.loads((self.work / "finetune" / "finetune.json").read_text())
+        held = {e for g in doc["groups"].values() for e in g.get("heldout_episodes", [])}
+        rows = [r for r in load_traces(str(self.work / "traces")).to_pylist() if r["episode_id"] in held]
+        return [r for r in rows if r["prompt_token_ids"] and r["completion_token_ids"]]
+
+    def sglang_replay(self, name: str) -> dict:
+        """The test rows' exact prompts through the backend at T = 0, as many tokens as each recorded completion
+        -> per cell pooled τ (from the backend's own counts), rows, tokens, exact match with the recorded ids."""
+        from dspine.stats import tau_of
+
+        base = f"http://127.0.0.1:{self.state['backend_port']}"
+        rows = self.test_rows()
+        cells: dict[str, dict] = {}
+
+        def one(r: dict) -> tuple[dict, dict]:
+            n = len(r["completion_token_ids"])
+            if self.a.backend == "sglang":
+                body = {"input_ids": r["prompt_token_ids"], "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+                doc = _post(base + "/generate", body)
+                return r, {"meta": doc["meta_info"], "ids": doc.get("output_ids")}
+            body = {
+                "model": self.a.model,
+                "prompt": r["prompt_token_ids"],
+                "max_tokens": n,
+                "temperature": 0,
+                "return_meta_info": True,
+                "return_token_ids": True,
+            }
+            doc = _post(base + "/v1/completions", body)
+            return r, {"meta": doc.get("meta_info") or {}, "ids": doc["choices"][0].get("token_ids")}
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        t0 = time.time()
+        with ThreadPoolExecutor(self.a.concurrency) as ex:
+            done = list(ex.map(one, rows))
+        for r, got in done:
+            c = cells.setdefault(f"{r['workload']}/{r['thinking']}", {"acc": 0, "rounds": 0, "rows": 0, "tokens": 0})
+            m = got["meta"]
+            c["acc"] += int(m.get("spec_num_correct_drafts") or 0)
+            c["rounds"] += int(m.get("spec_verify_ct") or 0)
+            c["rows"] += 1
+            c["tokens"] += int(m.get("completion_tokens") or len(got["ids"] or []))
+            c.setdefault("tasks", set()).add(r["task_id"])
+            c["match"] = c.get("match", 0) + int(list(got["ids"] or []) == list(r["completion_token_ids"]))
+        out = {}
+        for k, c in sorted(cells.items()):
+            out[k] = {
+                "tau": round(tau_of(c["acc"], c["rounds"]), 3) if c["rounds"] else None,
+                "rows": c["rows"],
+                "tasks": len(c["tasks"]),
+                "tokens": c["tokens"],
+                "exact_match": round(c["match"] / c["rows"], 3),
+            }
+        self.result.setdefault("replay", {})[name] = {"cells": out, "seconds": round(time.time() - t0, 1)}
+        self.save()
+        return out
+
+    def proxy_replay(self, name: str) -> dict:
+        """The test rows' recorded messages (tools included) as chat requests through the proxy, each tagged with
+        its workload and level: what the proxy's store shows per cell. The window is kept for the report."""
+        rows = self.test_rows()
+        url = f"http://127.0.0.1:{self.state['proxy']['port']}/v1/chat/completions"
+
+        def one(r: dict) -> bool:
+            body = {
+                "model": self.a.model,
+                "messages": json.loads(r["messages"]),
+                "max_tokens": len(r["completion_token_ids"]),
+                "temperature": 0,
+                "metadata": {"workload": r["workload"]},
+                "return_meta_info": True,
+            }
+            tools = json.loads(r["tools"] or "[]")
+            if tools:
+                body["tools"] = tools
+            if r["thinking"] != "none":
+                body["reasoning_effort"] = r["thinking"]
+            try:
+                _post(url, body, self.state["proxy_key"], timeout=300)
+                return True
+            except (OSError, ValueError) as e:
+                log(f"proxy replay {r['request_id']}: {e}")
+                return False
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        t0 = time.time()
+        with ThreadPoolExecutor(self.a.concurrency) as ex:
+            ok = sum(ex.map(one, rows))
+        window = [t0, time.time() + 1]
+        self.state.setdefault("store_windows", {})[name] = window
+        self.result.setdefault("replay", {}).setdefault("through_proxy", {})[name] = {
+            "requests": len(rows),
+            "ok": ok,
+            "seconds": round(window[1] - t0, 1),
+        }
+        self.save()
+        return self.result["replay"]["through_proxy"][name]
+
+    def replay(self) -> None:
+        self.need("backend_port")
+        got = self.sglang_replay("base")
+        self.proxy_replay("base")
+        engine = (self.result.get("evaluate") or {}).get("per_cell") or {}
+        agree = {}
+        for cell, v in got.items():
+            e = (engine.get(cell) or {}).get("base")
+            if v["tau"] and e:
+                rel = v["tau"] / e - 1
+                ok = abs(rel) <= self.a.tolerance
+                agree[cell] = {"backend": v["tau"], "engine": e, "rel": round(rel, 3), "ok": ok}
+        self.result["replay"]["agreement"] = {"tolerance": self.a.tolerance, "cells": agree}
+        self.save()
+        log(f"replay through {self.a.backend}: {json.dumps(got)}; agreement {json.dumps(agree)}")
+
+    def deploy(self) -> None:
+        from dspine.adapt.deployment import deploy
+
+        self.need("backend_port", "proxy")
+        restart = self.backend_command()
+        export = "sglang" if self.a.backend == "sglang" else ""
+        os.environ["PYTHONPATH"] = self.env()["PYTHONPATH"]
+        os.environ["DSPINE_ADMIN_KEY"] = self.state["admin_key"]
+        self.state["deploy_started"] = time.time()
+        self.save()
+        probe = ProxyClients(self.state, self.a.model, self.a.probe_clients)
+        probe.start()
+        t0 = time.time()
+        cfg = self.deploy_cfg(
+            evaluation=str(self.work / "adapt.json"), restart=restart, export=export,
+            ready_timeout_s=self.a.ready_timeout,
+        )  # fmt: skip
+        entry = deploy(cfg)
+        seconds = time.time() - t0
+        time.sleep(3)
+        traffic = probe.stop()
+        self.state["deployed_at"] = time.time()
+        self.result["deploy"] = {
+            "action": entry["action"],
+            "reasons": entry.get("reasons"),
+            "seconds": round(seconds, 1),
+            "live": entry.get("live"),
+            "threshold": entry.get("threshold"),
+            "traffic": traffic,
+        }
+        self.save()
+        log(f"deploy: {entry['action']} in {seconds:.0f} s; live {entry.get('live')}; traffic {traffic}")
+        if entry["action"] == "deployed":
+            got = self.sglang_replay("adapted")
+            self.proxy_replay("adapted")
+            base = self.result["replay"].get("base", {}).get("cells", {})
+            self.result["replay"]["ratio"] = {
+                c: round(v["tau"] / base[c]["tau"], 3)
+                for c, v in got.items()
+                if v["tau"] and base.get(c, {}).get("tau")
+            }
+        self.rollback_check(restart, export)
+
+    def rollback_check(self, restart: str, export: str) -> None:
+        """A drafter with random weights, passed off as gated, deployed on purpose: the live check must roll it back
+        and the previous drafter must serve again."""
+        from dspine.adapt.deployment import deploy
+
+        doc = json.loads((self.work / "adapt.json").read_text())
+        group = next(iter(doc["gate"]))
+        broken = self.work / "broken"
+        scramble_drafter(doc["drafters"][group]["path"], broken)
+        doc["drafters"][group]["path"] = str(broken)
+        doc["gate"][group] = {"accept": True, "reasons": ["deployed on purpose: random weights"]}
+        fake = self.work / "adapt_broken.json"
+        atomic_write_text(fake, json.dumps(doc))
+        t0 = time.time()
+        cfg = self.deploy_cfg(
+            evaluation=str(fake), restart=restart, export=export, ready_timeout_s=self.a.ready_timeout
+        )
+        entry = deploy(cfg)
+        serving = _read_json(self.work / "backend.json") or {}
+        self.result["rollback"] = {
+            "action": entry["action"],
+            "reasons": entry.get("reasons"),
+            "live": entry.get("live"),
+            "seconds": round(time.time() - t0, 1),
+            "serving_after": serving.get("drafter"),
+        }
+        self.save()
+        log(f"broken drafter: {entry['action']} ({entry.get('reasons')}); serving {serving.get('drafter')}")
+
+    def report(self) -> dict:
+        from dspine.serve.store import AcceptanceStore
+
+        store = AcceptanceStore(str(self.work / "proxy.db"))
+        rows = store.rows()
+        windows = self.state.get("store_windows", {})
+        cut = self.state.get("deploy_started", time.time())
+        self.result["store"] = {
+            # the held-out test rows sent through the proxy before and after the deploy (the same requests)
+            name: store_cells([r for r in rows if lo <= r["ts"] <= hi])
+            for name, (lo, hi) in windows.items()
+        }
+        # everything the proxy recorded before the deploy: the collection's traffic
+        self.result["store"]["collection"] = store_cells([r for r in rows if r["ts"] < windows.get("base", [cut])[0]])
+        self.result.update(provenance(" ".join(sys.argv)))
+        self.result["sglang_version"] = _version("sglang")
+        self.result["ray_version"] = _version("ray")
+        self.result["flags"] = SGLANG_FLAGS if self.a.backend == "sglang" else "dspine serve"
+        self.save()
+        if self.a.out:
+            out = Path(self.a.out)
+            atomic_write_text(out, json.dumps(self.result, indent=1))
+            atomic_write_text(out.with_suffix(".md"), markdown(self.result))
+        if self.a.summary:
+            update_summary(self.a.summary, "gpu_loop", summary_section(self.result))
+        print(markdown(self.result))
+        return self.result
+
+    def down(self) -> None:
+        from dspine.adapt.cluster import stop_recorded
+        from dspine.adapt.deployment import stop_backend
+        from dspine.process import same_process
+
+        b = _read_json(self.work / "backend.json")
+        if b:
+            stop_backend(b)
+        p = self.state.get("proxy")
+        if p and same_process(p["pid"], p.get("identity")):
+            import signal
+
+            for sig in (signal.SIGTERM, signal.SIGTERM):  # the second skips the drain
+                try:
+                    os.killpg(p["pid"], sig)
+                except OSError:
+                    break
+                time.sleep(2)
+        if self.state.get("ray"):
+            stop_recorded(self.state["ray"])
+        for k in ("ray", "proxy", "backend_port"):
+            self.state.pop(k, None)
+        self.save()
+
+
+class ProxyClients:
+    """Clients sending short chat requests through the proxy during a deploy; a 503 (the backend is restarting)
+    or a refused connection is retried after a second, up to `tries`; a request that still fails is lost."""
+
+    def __init__(self, state: dict, model: str, n: int, tries: int = 600):
+        self.url = f"http://127.0.0.1:{state['proxy']['port']}/v1/chat/completions"
+        self.key, self.model, self.n, self.tries = state["proxy_key"], model, n, tries
+        self.stopping = threading.Event()
+        self.counts = {"sent": 0, "ok": 0, "retried": 0, "lost": 0, "statuses": {}}
+        self.lock = threading.Lock()
+
+    def _one(self, i: int) -> None:
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}],
+            "max_tokens": 24,
+            "temperature": 0,
+            "metadata": {"workload": "deploy_probe"},
+        }
+        for _ in range(self.tries):
+            try:
+                _post(self.url, body, self.key, timeout=120)
+                with self.lock:
+                    self.counts["ok"] += 1
+                return
+            except urllib.error.HTTPError as e:
+                code = str(e.code)
+            except OSError as e:
+                code = type(e).__name__
+            with self.lock:
+                self.counts["statuses"][code] = self.counts["statuses"].get(code, 0) + 1
+                self.counts["retried"] += 1
+            time.sleep(1.0)
+        with self.lock:
+            self.counts["lost"] += 1
+
+    def _client(self, k: int) -> None:
+        i = k * 100000
+        while not self.stopping.is_set():
+            with self.lock:
+                self.counts["sent"] += 1
+            self._one(i)
+            i += 1
+
+    def start(self) -> None:
+        self.threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(self.n)]
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> dict:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=900)
+        return dict(self.counts)
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _post(url: str, body: dict, key: str | None = None, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _version(pkg: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
+def merge_collections(dirs: list[Path], out: Path) -> dict[str, int]:
+    """Several collection directories -> one (their trace shards and episode summaries side by side; the
+    workloads of live and replay collections differ, so no shard is overwritten) -> rows per workload."""
+    import pyarrow.parquet as pq
+
+    rows: dict[str, int] = {}
+    for d in dirs:
+        for sub in ("traces", "episodes"):
+            src = d / sub
+            if not src.is_dir():
+                continue
+            for f in sorted(src.rglob("*")):
+                if f.is_file():
+                    dst = out / sub / f.relative_to(src)
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(f, dst)
+                    if sub == "traces" and f.suffix == ".parquet":
+                        w = f.parent.name
+                        rows[w] = rows.get(w, 0) + pq.read_metadata(f).num_rows
+    return rows
+
+
+def trace_figures(traces: Path, seconds: float) -> dict:
+    """Per workload × level: episodes, rows, rows with token ids, generated tokens, τ pooled from the recorded
+    acceptance; episodes per minute over the collection's wall time."""
+    from dspine.agents.traces import load_traces
+    from dspine.stats import AcceptanceStats
+
+    cells: dict[str, dict] = {}
+    stats: dict[str, AcceptanceStats] = {}
+    rows = load_traces(str(traces)).to_pylist() if (traces / "traces").is_dir() else []
+    for r in rows:
+        k = f"{r['workload']}/{r['thinking']}"
+        c = cells.setdefault(k, {"episodes": set(), "tasks": set(), "rows": 0, "rows_with_ids": 0, "tokens": 0})
+        c["episodes"].add(r["episode_id"])
+        c["tasks"].add(r["task_id"])
+        c["rows"] += 1
+        c["rows_with_ids"] += int(bool(r["has_token_ids"]))
+        c["tokens"] += len(r["completion_token_ids"] or [])
+        if r["accept_hist"]:
+            st = AcceptanceStats(len(r["accept_hist"]), list(r["accept_hist"]))
+            stats[k] = st if k not in stats else stats[k].merge(st)
+    out = {}
+    for k, c in sorted(cells.items()):
+        out[k] = {
+            "episodes": len(c["episodes"]),
+            "tasks": len(c["tasks"]),
+            "rows": c["rows"],
+            "rows_with_ids": c["rows_with_ids"],
+            "tokens": c["tokens"],
+            "tau_recorded": round(stats[k].tau, 3) if k in stats else None,
+        }
+    episodes = sum(v["episodes"] for v in out.values())
+    return {"cells": out, "episodes": episodes, "episodes_per_min": round(episodes / max(seconds, 1e-9) * 60, 2)}
+
+
+def store_cells(rows: list[dict]) -> dict:
+    """The proxy's recorded requests -> per workload/level: requests, τ pooled over those with acceptance."""
+    from dspine.stats import AcceptanceStats
+
+    out: dict[str, dict] = {}
+    for r in rows:
+        k = f"{r['workload']}/{r['thinking']}"
+        c = out.setdefault(k, {"requests": 0, "with_acceptance": 0, "stats": None})
+        c["requests"] += 1
+        if r["accept_hist"]:
+            st = AcceptanceStats(len(r["accept_hist"]), r["accept_hist"])
+            c["with_acceptance"] += 1
+            c["stats"] = st if c["stats"] is None else c["stats"].merge(st)
+    for c in out.values():
+        st = c.pop("stats")
+        c["tau"] = round(st.tau, 3) if st else None
+    return dict(sorted(out.items()))
+
+
+def scramble_drafter(src: str, out: Path, seed: int = 0) -> None:
+    """A copy of a drafter folder whose weights are random (same names, shapes and dtypes): it loads, and drafts
+    nothing the target accepts."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(src, out)
+    g = torch.Generator().manual_seed(seed)
+    for f in out.glob("*.safetensors"):
+        sd = load_file(str(f))
+        sd = {k: (torch.randn(v.shape, generator=g) * 0.02).to(v.dtype) for k, v in sd.items()}
+        save_file(sd, str(f), metadata={"format": "pt"})
+
+
+def summary_section(doc: dict) -> dict:
+    keep = ("backend", "collect", "finetune", "evaluate", "replay", "deploy", "rollback", "store")
+    out = {k: doc.get(k) for k in keep if k in doc}
+    for k in ("git_sha", "command", "hardware", "sglang_version", "ray_version", "flags"):
+        out[k] = doc.get(k)
+    return out
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# The GPU loop ({doc.get('backend')}; {doc.get('hardware', '')})", ""]
+    col = doc.get("collect") or {}
+    if col:
+        lines += [
+            f"Collection: {col.get('episodes')} episodes in {col.get('seconds')} s "
+            f"({col.get('episodes_per_min')} episodes/min)",
+            "",
+        ]
+        rows = [
+            [k, v["episodes"], v["tasks"], v["rows"], v["rows_with_ids"], v["tokens"], v["tau_recorded"]]
+            for k, v in col.get("cells", {}).items()
+        ]
+        lines += [md_table(["cell", "episodes", "tasks", "rows", "rows with ids", "tokens", "τ (served)"], rows), ""]
+    ft = doc.get("finetune") or {}
+    if ft:
+        lines += [f"Fine-tune (Ray Train, {ft.get('workers')} worker): {ft.get('seconds')} s, rc {ft.get('rc')}", ""]
+    ev = doc.get("evaluate") or {}
+    rp = doc.get("replay") or {}
+    if ev:
+        agree = (rp.get("agreement") or {}).get("cells", {})
+        served = (rp.get("base") or {}).get("cells", {})
+        served_ad = (rp.get("adapted") or {}).get("cells", {})
+        rows = []
+        for c, v in ev.get("per_cell", {}).items():
+            rows.append(
+                [
+                    c,
+                    v.get("rows"),
+                    v.get("tasks"),
+                    v.get("base"),
+                    v.get("adapted"),
+                    v.get("ratio"),
+                    (served.get(c) or {}).get("tau"),
+                    (served_ad.get(c) or {}).get("tau"),
+                    (agree.get(c) or {}).get("rel"),
+                ]
+            )
+        head = ["cell", "test rows", "tasks", "engine τ base", "engine τ adapted", "ratio", "served τ base"]
+        head += ["served τ adapted", "served/engine − 1"]
+        lines += [md_table(head, rows), ""]
+        lines += [f"General regression {ev.get('general_regression')} (CI {ev.get('general_regression_ci')}); "]
+        lines += [f"gate {json.dumps(ev.get('gate'))}", ""]
+    for k in ("deploy", "rollback"):
+        if doc.get(k):
+            lines += [f"{k}: `{json.dumps(doc[k])}`", ""]
+    st = doc.get("store") or {}
+    if st:
+        names = list(st)
+        cells = sorted({c for v in st.values() for c in v})
+        rows = [[c, *[f"{(st[n].get(c) or {}).get('tau')} ({(st[n].get(c) or {}).get('requests')})" for n in names]]
+                for c in cells]  # fmt: skip
+        lines += ["The proxy's store: τ (requests) per workload/level", "", md_table(["cell", *names], rows)]
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=[*STAGES, "all", "down"], help="what to run (all: up to report, then down)")
+    p.add_argument("--work", default="/tmp/gpuloop", help="state, logs, traces, drafters (default: %(default)s)")
+    p.add_argument("--backend", choices=("sglang", "dspine"), default="sglang")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="target spec (built-in name or .gguf)")
+    p.add_argument("--drafter", default=str(ROOT / "drafters/smollm2-135m-instruct/dspine"), help="base drafter")
+    p.add_argument("--device", default="cuda", help="cuda or cpu (the fine-tune, the evaluation, dspine serve)")
+    p.add_argument("--model", default="smol", help="the served model name")
+    p.add_argument("--context", type=int, default=8192, help="the backend's context window")
+    p.add_argument("--conversations", default="shipped", help="replay: the conversations (collect.py's)")
+    p.add_argument("--max-conversations", type=int, default=0, help="replay: per workload (0: all)")
+    p.add_argument("--replay-turns", type=int, default=0, help="replay: turns per conversation (0: every turn)")
+    p.add_argument("--replay-tokens", type=int, default=64, help="replay: tokens generated per turn")
+    p.add_argument("--live-episodes", type=int, default=4, help="live: episodes per workload × level (0: none)")
+    p.add_argument("--live-workloads", default="swe,tool", help="live: harnesses")
+    p.add_argument("--live-tokens", type=int, default=256, help="live: tokens per model call")
+    p.add_argument("--concurrency", type=int, default=16, help="episodes (and replayed rows) at once")
+    p.add_argument("--ray-cpus", type=int, default=None, help="the Ray head's CPUs (default: all)")
+    p.add_argument("--train-s", type=float, default=100.0, help="the fine-tune's time budget")
+    p.add_argument("--general-limit", type=int, default=3, help="the gate's general benchmarks: items each")
+    p.add_argument("--general-workers", type=int, default=4)
+    p.add_argument("--tolerance", type=float, default=0.15, help="served vs engine τ of the same rows, relative")
+    p.add_argument("--probe-clients", type=int, default=4, help="clients sending through the proxy during deploy")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a backend may take to start")
+    p.add_argument("--out", help="JSON written by report (a .md beside it)")
+    p.add_argument("--summary", help="summary.json whose gpu_loop section report rewrites")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    loop = Loop(a)
+    stages = list(STAGES) if a.stage == "all" else [a.stage]
+    try:
+        for s in stages:
+            t0 = time.time()
+            getattr(loop, s)()
+            loop.result.setdefault("stage_seconds", {})[s] = round(time.time() - t0, 1)
+            loop.save()
+    finally:
+        if a.stage in ("all", "down"):
+            loop.down()
+    return 0
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    sys.exit(main())
