@@ -49,11 +49,12 @@ from dspine.io import atomic_write_text, md_table, provenance, update_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("up", "collect", "adapt", "replay", "deploy", "report")
-# SGLang for the loop: triton attention and torch sampling (no FA3 / flashinfer JIT needed), the radix cache on
-# (agent turns share their prefixes), no CUDA graphs (each restart would recapture them), a small KV pool so
-# Ray Train and the engine's evaluation share the GPU with it
+# SGLang for the loop: triton attention and torch sampling (no FA3 / flashinfer JIT needed), the radix cache off (the
+# plugin's measured path; a reused prefix also changes bf16 numerics between the replays), no CUDA graphs (each
+# restart would recapture them), a small KV pool so Ray Train and the engine's evaluation share the GPU with it
 SGLANG_FLAGS = (
-    "--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --mem-fraction-static 0.3 "
+    "--attention-backend triton --sampling-backend pytorch --disable-radix-cache --disable-cuda-graph "
+    "--mem-fraction-static 0.3 "
     "--max-total-tokens 131072 --max-running-requests 32"
 )
 
@@ -107,7 +108,11 @@ class Loop:
         return rc
 
     def ray_job(self, args: list[str], name: str, timeout: float | None = None) -> int:
-        """`ray job submit` of `python ARGS` to our head, with this checkout as its working dir."""
+        """`ray job submit` of `python ARGS` to our head, with this checkout as its working dir (--executor
+        local: the same script in a plain process, its episodes in local workers and its training in-process)."""
+        if self.a.executor == "local":
+            extra = ["--executor", "local"] if args[0].endswith("collect.py") else []
+            return self.run([sys.executable, *args, *extra], name, timeout)
         self.need("ray")
         rt = json.dumps({"excludes": [".git", ".carry", ".whl", "runs", "*.safetensors", "*.gguf"]})
         cmd = ["ray", "job", "submit", "--address", self.state["ray"]["dashboard"], "--working-dir", str(ROOT)]
@@ -152,7 +157,7 @@ class Loop:
         t0 = time.time()
         self.state.setdefault("admin_key", secrets.token_hex(16))
         self.state.setdefault("proxy_key", "sk-" + secrets.token_hex(16))
-        if "ray" not in self.state:
+        if "ray" not in self.state and self.a.executor == "ray":
             head = LocalRayHead(num_cpus=self.a.ray_cpus, num_gpus=1 if self.a.device == "cuda" else 0)
             self.state["ray"] = head.record()
             log(f"ray head at {head.address}, jobs at {head.dashboard}")
@@ -232,7 +237,8 @@ class Loop:
         self.need("base_drafter")
         ft = self.work / "finetune"
         args = ["adapt/finetune.py", "--traces", str(self.work / "traces"), "--out", str(ft)]
-        args += ["--base", self.a.drafter, "--target", self.a.target, "--workers", "1", "--device", self.a.device]
+        workers = "1" if self.a.executor == "ray" else "0"  # 0: in the job's own process, without Ray Train
+        args += ["--base", self.a.drafter, "--target", self.a.target, "--workers", workers, "--device", self.a.device]
         args += [f"train.time_budget_s={self.a.train_s}", "train.steps=100000", "train.batch_size=8"]
         args += ["train.max_len=2048", "train.anchors_per_seq=64", "train.eval_every=50", "train.warmup_steps=20"]
         args += ["per=all", "mode=full", "train.lr=1e-4", "blend_choices=[0.5,0.7,1.0]"]
@@ -242,9 +248,10 @@ class Loop:
         self.result["finetune"] = {
             "rc": rc,
             "seconds": round(time.time() - t0, 1),
-            "workers": 1,
+            "workers": 1 if self.a.executor == "ray" else 0,
+            "executor": self.a.executor,
             "groups": {
-                g: {k: v.get(k) for k in ("steps", "train_seconds", "parts", "blend", "rows")}
+                g: {k: v.get(k) for k in ("train_samples", "validation_samples", "parts", "split", "blend", "last")}
                 for g, v in (doc.get("groups") or {}).items()
                 if isinstance(v, dict)
             },
@@ -255,6 +262,7 @@ class Loop:
         t0 = time.time()
         ev = [sys.executable, "adapt/evaluate.py", "--finetune", str(ft), "--out", str(self.work / "adapt.json")]
         ev += [f"limit={self.a.general_limit}", "batch_size=32", f"general_workers={self.a.general_workers}"]
+        ev += self.a.eval_set
         rc = self.run(ev, "evaluate")
         doc = _read_json(self.work / "adapt.json") or {}
         self.result["evaluate"] = {
@@ -334,11 +342,11 @@ class Loop:
 
     def proxy_replay(self, name: str) -> dict:
         """The test rows' recorded messages (tools included) as chat requests through the proxy, each tagged with
-        its workload and level: what the proxy's store shows per cell. The window is kept for the report."""
+        its workload and level: what the proxy's store shows per cell. Their ids are kept for the report."""
         rows = self.test_rows()
         url = f"http://127.0.0.1:{self.state['proxy']['port']}/v1/chat/completions"
 
-        def one(r: dict) -> bool:
+        def one(r: dict) -> str | None:
             body = {
                 "model": self.a.model,
                 "messages": json.loads(r["messages"]),
@@ -353,23 +361,22 @@ class Loop:
             if r["thinking"] != "none":
                 body["reasoning_effort"] = r["thinking"]
             try:
-                _post(url, body, self.state["proxy_key"], timeout=300)
-                return True
-            except (OSError, ValueError) as e:
+                return _post(url, body, self.state["proxy_key"], timeout=300)["id"]
+            except (OSError, ValueError, KeyError) as e:
                 log(f"proxy replay {r['request_id']}: {e}")
-                return False
+                return None
 
         from concurrent.futures import ThreadPoolExecutor
 
         t0 = time.time()
         with ThreadPoolExecutor(self.a.concurrency) as ex:
-            ok = sum(ex.map(one, rows))
-        window = [t0, time.time() + 1]
-        self.state.setdefault("store_windows", {})[name] = window
+            ids = [i for i in ex.map(one, rows) if i]
+        self.state.setdefault("store_ids", {})[name] = ids  # the proxy stores each under the backend's id
+        self.state.setdefault("replay_started", t0)
         self.result.setdefault("replay", {}).setdefault("through_proxy", {})[name] = {
             "requests": len(rows),
-            "ok": ok,
-            "seconds": round(window[1] - t0, 1),
+            "ok": len(ids),
+            "seconds": round(time.time() - t0, 1),
         }
         self.save()
         return self.result["replay"]["through_proxy"][name]
@@ -467,16 +474,13 @@ class Loop:
 
         store = AcceptanceStore(str(self.work / "proxy.db"))
         rows = store.rows()
-        windows = self.state.get("store_windows", {})
-        cut = self.state.get("deploy_started", time.time())
-        self.result["store"] = {
-            # the held-out test rows sent through the proxy before and after the deploy (the same requests)
-            name: store_cells([r for r in rows if lo <= r["ts"] <= hi])
-            for name, (lo, hi) in windows.items()
-        }
-        # everything the proxy recorded before the deploy: the collection's traffic
-        self.result["store"]["collection"] = store_cells([r for r in rows if r["ts"] < windows.get("base", [cut])[0]])
-        self.result.update(provenance(" ".join(sys.argv)))
+        ids = {name: set(v) for name, v in self.state.get("store_ids", {}).items()}
+        # the held-out test rows sent through the proxy before and after the deploy (the same requests)
+        self.result["store"] = {name: store_cells([r for r in rows if r["request_id"] in v]) for name, v in ids.items()}
+        # what the proxy recorded before them: the collection's traffic
+        cut = self.state.get("replay_started", time.time())
+        self.result["store"]["collection"] = store_cells([r for r in rows if r["ts"] < cut])
+        self.result.update(provenance())
         self.result["sglang_version"] = _version("sglang")
         self.result["ray_version"] = _version("ray")
         self.result["flags"] = SGLANG_FLAGS if self.a.backend == "sglang" else "dspine serve"
@@ -689,6 +693,10 @@ def scramble_drafter(src: str, out: Path, seed: int = 0) -> None:
         save_file(sd, str(f), metadata={"format": "pt"})
 
 
+def _r(x, nd: int = 3):
+    return round(x, nd) if isinstance(x, float) else x
+
+
 def summary_section(doc: dict) -> dict:
     keep = ("backend", "collect", "finetune", "evaluate", "replay", "deploy", "rollback", "store")
     out = {k: doc.get(k) for k in keep if k in doc}
@@ -727,9 +735,9 @@ def markdown(doc: dict) -> str:
                     c,
                     v.get("rows"),
                     v.get("tasks"),
-                    v.get("base"),
-                    v.get("adapted"),
-                    v.get("ratio"),
+                    _r(v.get("base")),
+                    _r(v.get("adapted")),
+                    _r(v.get("ratio")),
                     (served.get(c) or {}).get("tau"),
                     (served_ad.get(c) or {}).get("tau"),
                     (agree.get(c) or {}).get("rel"),
@@ -738,7 +746,8 @@ def markdown(doc: dict) -> str:
         head = ["cell", "test rows", "tasks", "engine τ base", "engine τ adapted", "ratio", "served τ base"]
         head += ["served τ adapted", "served/engine − 1"]
         lines += [md_table(head, rows), ""]
-        lines += [f"General regression {ev.get('general_regression')} (CI {ev.get('general_regression_ci')}); "]
+        ci = [_r(x) for x in ev.get("general_regression_ci") or []]
+        lines += [f"General regression {_r(ev.get('general_regression'))} (95% CI {ci}); "]
         lines += [f"gate {json.dumps(ev.get('gate'))}", ""]
     for k in ("deploy", "rollback"):
         if doc.get(k):
@@ -772,9 +781,22 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--live-tokens", type=int, default=256, help="live: tokens per model call")
     p.add_argument("--concurrency", type=int, default=16, help="episodes (and replayed rows) at once")
     p.add_argument("--ray-cpus", type=int, default=None, help="the Ray head's CPUs (default: all)")
+    p.add_argument(
+        "--executor",
+        choices=("ray", "local"),
+        default="ray",
+        help="ray: collection and fine-tune as Ray jobs on our head; local: the same scripts without Ray",
+    )
     p.add_argument("--train-s", type=float, default=100.0, help="the fine-tune's time budget")
     p.add_argument("--general-limit", type=int, default=3, help="the gate's general benchmarks: items each")
     p.add_argument("--general-workers", type=int, default=4)
+    p.add_argument(
+        "--eval-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an adapt/evaluate.py setting (repeatable), e.g. min_rows=1 for a rehearsal on a few rows",
+    )
     p.add_argument("--tolerance", type=float, default=0.15, help="served vs engine τ of the same rows, relative")
     p.add_argument("--probe-clients", type=int, default=4, help="clients sending through the proxy during deploy")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a backend may take to start")
