@@ -84,6 +84,10 @@ class LocalRayHead:
             "127.0.0.1",
             "--dashboard-port",
             str(self.dash_port),
+            # the agent's HTTP port (jobs go through it) is fixed by default: a second head on the machine would
+            # start without it and refuse every job ("No available agent")
+            "--dashboard-agent-listen-port",
+            str(free_port()),
             "--temp-dir",
             self.temp_dir,
             "--num-cpus",

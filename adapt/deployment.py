@@ -17,9 +17,11 @@ Design choices:
 - **Restart** (`restart`, a backend whose draft model is fixed at launch — SGLang): the command that starts it,
   with {drafter} (the adapted checkpoint, or its `export=sglang` conversion) and {port}; deploy stops the
   backend it started last (`state`: pid and command), starts the new one detached, waits for /v1/models, checks
-  live τ (SGLang's /generate counts, or the dspine server's records), and when the start fails or τ falls
-  short, stops it and starts the previous command again. The whole server takes the group's drafter: one
-  server per workload behind the proxy's --route. Requests reaching it during the restart get the proxy's 503.
+  live τ (SGLang's /generate counts, or the dspine server's records) against the previous drafter's live τ on
+  the same backend and prompts, measured just before the stop (the gated engine figure when nothing ran), and when
+  the start fails or τ falls short, stops it and starts the previous command again. The whole server takes the
+  group's drafter: one server per workload behind the proxy's --route. Requests reaching it during the restart
+  get the proxy's 503.
 - **History**: one JSON line per decision (refused, deployed, rolled back) with its figures, in a file
   rewritten atomically, which the dashboard can show.
 """
@@ -63,6 +65,7 @@ class DeployConfig:
     restart: str = ""  # the backend's start command, with {drafter} and {port}: deploy by restarting it
     export: str = ""  # "sglang": {drafter} is the adapted checkpoint exported for SGLang (`dspine export`)
     state: str = ""  # the restarted backend's pid and command (default: backend.json beside the history)
+    target: str = ""  # the target spec, for exporting a drafter saved without its code table (export=sglang)
     ready_timeout_s: float = 900.0
 
     @property
@@ -245,25 +248,35 @@ def _restart(cfg: DeployConfig, doc: dict, group: str, entry: dict, gated: float
         from dspine.sglang.export import export_sglang
 
         out = Path(drafter).with_name(Path(drafter).name + "-sglang")
-        export_sglang(drafter, out)
+        export_sglang(drafter, out, target=cfg.target or None)
         drafter = str(out)
     port = urllib.parse.urlsplit(cfg.endpoint).port or 80
     command = cfg.restart.format(drafter=drafter, port=port)
+    prompts = cfg.prompts or _default_prompts(doc)
+    baseline = None
     if prev is not None:
+        # the bar: the serving drafter's own live τ on the same backend and prompts, measured just before (an
+        # engine figure does not transfer: SGLang's bf16 serving accepts less than the engine's replay)
+        try:
+            baseline = live_tau(cfg, prompts)
+        except DeployError:
+            baseline = None
         stop_backend(prev)
+    bar = baseline["tau"] if baseline and baseline["rounds"] else gated
+    entry["baseline"] = baseline
     entry.update(previous=prev and {k: prev[k] for k in ("command", "drafter")}, command=command)
     try:
         new = start_backend(cfg, command, state_path, drafter)
-        live = live_tau(cfg, cfg.prompts or _default_prompts(doc))
+        live = live_tau(cfg, prompts)
     except DeployError as e:
         new, live, reason = None, None, f"restart failed: {e}"
     else:
         reason = (
             None
-            if live["tau"] >= cfg.live_tolerance * gated
-            else (f"live τ {live['tau']:.3f} < {cfg.live_tolerance} × {gated:.3f}")
+            if live["tau"] >= cfg.live_tolerance * bar
+            else (f"live τ {live['tau']:.3f} < {cfg.live_tolerance} × {bar:.3f}")
         )
-    entry.update(live=live, threshold=cfg.live_tolerance * gated)
+    entry.update(live=live, threshold=cfg.live_tolerance * bar)
     if reason is None:
         entry["action"] = "deployed"
         return entry

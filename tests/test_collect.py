@@ -30,8 +30,8 @@ def ray_head(tmp_path_factory):
 
 
 def test_stopping_one_ray_head_leaves_another_running(ray_head):
-    """The project's cleanup ends its own head's processes and nothing else: a second head started and stopped
-    beside the module's leaves the module's running (its job API answers, its processes live)."""
+    """The project's cleanup ends its own head's processes and nothing else: a second head started beside the
+    module's takes jobs, and stopping it leaves the module's running (its job API answers, its processes live)."""
     import urllib.request
 
     url, _ = ray_head
@@ -40,6 +40,9 @@ def test_stopping_one_ray_head_leaves_another_running(ray_head):
     other = LocalRayHead(num_cpus=1)
     theirs = other.pids()
     assert len(theirs) > 2 and other.dashboard != url
+    # a second head on the machine takes jobs too (each head's agent listens on a port of its own)
+    r = submit((other.dashboard, other.env), ["--help"])
+    assert r.returncode == 0, r.stderr[-2000:]
     other.stop()
     assert not any(alive(p) for p in theirs)
     with urllib.request.urlopen(url + "/api/version", timeout=5) as r:  # the first head still serves

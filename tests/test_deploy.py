@@ -381,6 +381,8 @@ def test_restart_deploy_starts_the_adapted_backend_and_falls_back(server, tmp_pa
         assert path == str(root / "a" / "dspine") and again["pid"] != state["pid"]
         short = run(root / "b" / "dflash", tolerance=100.0)  # up, but its live τ falls short
         assert short["action"] == "rolled_back" and "live τ" in short["reasons"][0] and short["live"]["rounds"] > 0
+        # the bar is the previous drafter's live τ on this backend, measured just before the restart
+        assert short["baseline"]["rounds"] > 0 and short["threshold"] == pytest.approx(100.0 * short["baseline"]["tau"])
         assert serving()[0] == str(root / "a" / "dspine")
         hist = [json.loads(x)["action"] for x in (tmp_path / "deploys.jsonl").read_text().splitlines()]
         assert hist == ["deployed", "rolled_back", "rolled_back"]

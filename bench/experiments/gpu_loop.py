@@ -143,6 +143,7 @@ class Loop:
             admin_key=self.state["admin_key"],
             read_key=self.state["admin_key"],
             state=str(self.work / "backend.json"),
+            target=self.a.target,
             history=str(self.work / "deploys.jsonl"),
             **kw,
         )
@@ -163,10 +164,11 @@ class Loop:
             log(f"ray head at {head.address}, jobs at {head.dashboard}")
         drafter = str(Path(self.a.drafter).resolve())
         if self.a.backend == "sglang":
-            from dspine.sglang.bench import ensure_export
+            from dspine.sglang.export import export_sglang
 
             self.state["target_dir"] = str(resolve_target_path(self.a.target))
-            drafter, self.state["block_size"] = ensure_export(drafter, self.work, "base")
+            self.state["block_size"] = int(json.loads((Path(drafter) / "config.json").read_text())["block_size"])
+            drafter = export_sglang(drafter, self.work / "exports" / "base", target=self.a.target)["path"]
         self.state["base_drafter"] = drafter
         self.save()
         if "backend_port" not in self.state:

@@ -32,10 +32,10 @@ wheels)
   # on the image (torch's and transformers' needs) or in SGLang's carried set, or not imported on this path
   have="numpy pyarrow tokenizers huggingface_hub hf_xet tqdm regex filelock fsspec jinja2 markupsafe packaging pyyaml
     typing_extensions sympy httpx httpcore h11 anyio certifi idna sniffio tiktoken"
+  # (LiteLLM's proxy imports redis and mcp at start; mini-swe-agent needs platformdirs: those stay)
   skip="polars polars_runtime_32 datasets boto3 botocore s3transfer jmespath azure_core azure_identity azure_storage_blob
-    msal msal_extensions isodate granian psycopg psycopg_binary pyroscope_io textual redis hiredis rq uvloop py_spy
-    virtualenv distlib python_discovery platformdirs mcp mcp_types fastapi_sso tensorboardx multiprocess xxhash dill
-    soundfile linkify_it_py mdit_py_plugins pynacl"
+    msal msal_extensions isodate granian psycopg psycopg_binary textual py_spy virtualenv distlib python_discovery
+    soundfile"
   sgl=$(ls .carry/sgl*/ | grep whl | sed 's/-[0-9].*//' | tr 'A-Z-' 'a-z_')
   rm -rf .carry/gwA .carry/gwB .carry/gwC "$S-sel" && mkdir -p .carry/gwA .carry/gwB .carry/gwC "$S-sel"
   for f in "$dl"/*.whl; do
