@@ -17,7 +17,7 @@ Design choices:
 - **Restart** (`restart`, a backend whose draft model is fixed at launch — SGLang): the command that starts it,
   with {drafter} (the adapted checkpoint, or its `export=sglang` conversion) and {port}; deploy stops the
   backend it started last (`state`: pid and command), starts the new one detached, waits for /v1/models, checks
-  live τ (SGLang's /generate counts, or the dspine server's records) against the previous drafter's live τ on
+  live τ (SGLang's per-reply counts, or the dspine server's records) against the previous drafter's live τ on
   the same backend and prompts, measured just before the stop (the gated engine figure when nothing ran), and when
   the start fails or τ falls short, stops it and starts the previous command again. The whole server takes the
   group's drafter: one server per workload behind the proxy's --route. Requests reaching it during the restart
@@ -118,7 +118,7 @@ def call_json(url: str, body: dict | None = None, key: str | None = None, timeou
 def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) -> dict:
     """Greedy chat requests through the server (as `route`'s workload and level), their acceptance from its
     records -> pooled τ, requests, the drafters that decoded them. A server without dspine's records (SGLang):
-    greedy /generate requests, τ from the counts each reply carries."""
+    greedy chat requests, τ from the counts each reply carries (`meta_info`)."""
     base = cfg.endpoint.rstrip("/")
     key = cfg.reader_key
     try:
@@ -157,12 +157,23 @@ def live_tau(cfg: DeployConfig, prompts: list[str], route: str | None = None) ->
 
 
 def _live_tau_sglang(cfg: DeployConfig, prompts: list[str]) -> dict:
+    """Greedy chat requests (the chat template applied, as real traffic is) to a server without dspine's records:
+    τ from the counts of each reply's `meta_info` (SGLang 0.5.17: per choice, with `return_meta_info`)."""
     from dspine.stats import tau_of
 
+    base = cfg.endpoint.rstrip("/")
+    model = call_json(base + "/v1/models")["data"][0]["id"]
     accepted = rounds = 0
     for p in prompts[: cfg.live_requests]:
-        body = {"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": cfg.max_tokens}}
-        meta = call_json(cfg.endpoint.rstrip("/") + "/generate", body)["meta_info"]
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": p}],
+            "max_tokens": cfg.max_tokens,
+            "temperature": 0,
+            "return_meta_info": True,
+        }
+        reply = call_json(base + "/v1/chat/completions", body)
+        meta = (reply.get("choices") or [{}])[0].get("meta_info") or reply.get("meta_info") or {}
         accepted += meta.get("spec_num_correct_drafts", 0)
         rounds += meta.get("spec_verify_ct", 0)
     return {
