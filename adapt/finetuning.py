@@ -6,8 +6,10 @@ Design choices:
   `traces.loss_mask`). A row longer than `train.max_len` keeps its end: the completion and the context nearest it.
 - **Three parts, split by task**: in each workload a seeded share of its tasks goes whole (every conversation,
   episode and level of the task) to the **test** part (`heldout_fraction`; what `adapt/evaluate.py` and the gate
-  read) and another to the **validation** part (`validation_fraction`; its τ_sim picks the checkpoint and, among
-  `blend_choices`, the blend); no test row ever chooses anything. `split=episode` (per workload × level cell, by
+  read) and another to the **validation** part (`validation_fraction`; its τ_sim picks the checkpoint during
+  training and, among `blend_choices`, the blend is picked by replaying its rows exactly as the test part is
+  measured — `select_by=replay`, the default; `tau_sim` the labelled alternative); no test row ever chooses
+  anything. `split=episode` (per workload × level cell, by
   episode) is the labelled alternative for traffic with too few tasks.
 - **Groups**: one drafter for all traces, per workload, or per workload × thinking level (`per`).
 - **Warm start, never resume**: the base's weights only (its config and target checked by `load_drafter`),
@@ -70,7 +72,10 @@ class FinetuneConfig:
     mix: str = ""  # a regenerated-data folder (dspine regen) mixed in
     mix_fraction: float = 0.0  # share of the training samples drawn from `mix`
     blend: float = 1.0  # the saved drafter: base + blend * (adapted - base); 1: the adapted weights as trained
-    blend_choices: list[float] = field(default_factory=list)  # non-empty: the blend with the best validation τ_sim
+    blend_choices: list[float] = field(default_factory=list)  # non-empty: the blend that validation picks
+    # how validation picks the blend: "replay" (pooled τ of the validation rows replayed through the engine from
+    # their exact prefixes, as the test is measured) or "tau_sim" (the training loss's simulated acceptance)
+    select_by: str = "replay"
     workers: int = 1  # Ray Train workers; 0: in this process, without Ray
     report_every_s: float = 0.0  # > 0: a Ray checkpoint every so many seconds of training
     max_failures: int = 1  # Ray Train restarts of the worker group, each from the last reported checkpoint
@@ -89,6 +94,8 @@ class FinetuneConfig:
             raise ConfigError("heldout_fraction, validation_fraction and mix_fraction must be in [0, 1)")
         if self.heldout_fraction + self.validation_fraction >= 1:
             raise ConfigError("heldout_fraction + validation_fraction must leave tasks to train on (< 1)")
+        if self.select_by not in ("replay", "tau_sim"):
+            raise ConfigError(f"select_by {self.select_by!r}: replay or tau_sim")
         if not all(0 < b <= 1 for b in [self.blend, *self.blend_choices]):
             raise ConfigError(f"blend {self.blend}, blend_choices {self.blend_choices}: in (0, 1] (1: as trained)")
         if self.mix_fraction and not self.mix:
@@ -182,6 +189,8 @@ def load_groups(cfg: FinetuneConfig) -> dict[str, dict]:
         out[g] = {
             "train": [row_sample(r, cfg.train.max_len) for r in train],
             "validation": [row_sample(r, cfg.train.max_len) for r in val],
+            # whole rows, for the replay that picks the blend (select_by=replay)
+            "validation_rows": [(list(r["prompt_token_ids"]), list(r["completion_token_ids"])) for r in val],
             "heldout_episodes": sorted({r["episode_id"] for r in held}),
             "validation_episodes": sorted({r["episode_id"] for r in val}),
             "test_tasks": sorted({split_unit(r, "task") for r in held}),
@@ -311,21 +320,23 @@ def train_group(
 
             drafter.load_state_dict(load_file(str(best)))
         plain = merge_lora(drafter) if cfg.mode == "lora" else drafter
-        alpha, scores = choose_blend(cfg, plain, base_state, target, data["validation"])
+        alpha, scores = choose_blend(cfg, plain, base_state, target, data["validation"], data.get("validation_rows"))
         if base_state is not None and alpha < 1:
             blend_weights(plain, base_state, alpha)
         last = {**hist[-1], "processes": tr.world}
-        info = {**extra, "history": last, "blend": alpha, "blend_validation_tau_sim": scores}
+        info = {**extra, "history": last, "blend": alpha, "blend_validation": {"by": cfg.select_by, "tau": scores}}
         save_drafter(plain, workdir / "final", extra=info, derived=False)
     return hist
 
 
-def choose_blend(cfg: FinetuneConfig, drafter, base_state: dict | None, target, validation: list) -> tuple[float, dict]:
-    """The blend to save: `blend`, or among `blend_choices` the one whose blended drafter has the best τ_sim on
-    the validation part (never the test part) -> (alpha, {alpha: τ_sim})."""
+def choose_blend(
+    cfg: FinetuneConfig, drafter, base_state: dict | None, target, validation: list, rows: list | None = None
+) -> tuple[float, dict]:
+    """The blend to save: `blend`, or among `blend_choices` the one whose blended drafter validates best — the
+    pooled τ of the validation `rows` (prompt ids, completion ids) replayed through the engine (`select_by=replay`:
+    the test part's own measure), else the τ_sim of the validation samples — never on the test part -> (alpha,
+    {alpha: its score}). Ties go to the least blended."""
     import copy
-
-    from dspine.train.losses import evaluate_tau_sims
 
     if not cfg.blend_choices:
         return cfg.blend, {}
@@ -335,9 +346,29 @@ def choose_blend(cfg: FinetuneConfig, drafter, base_state: dict | None, target, 
     for a in cfg.blend_choices:
         d = copy.deepcopy(drafter)
         cands[str(a)] = blend_weights(d, base_state, a) if a < 1 else d
-    scores = evaluate_tau_sims(cands, target, validation, cfg.train)
+    if cfg.select_by == "replay" and rows:
+        scores = replay_taus(target, cands, rows)
+    else:
+        from dspine.train.losses import evaluate_tau_sims
+
+        scores = evaluate_tau_sims(cands, target, validation, cfg.train)
     best = max(cfg.blend_choices, key=lambda a: (scores[str(a)], a))
     return best, {k: round(v, 4) for k, v in scores.items()}
+
+
+def replay_taus(target, drafters: dict, rows: list, batch_size: int = 16) -> dict[str, float]:
+    """Each drafter's pooled τ over `rows` (prompt ids, completion ids), replayed through the engine from the
+    exact prefixes (dspine.eval.acceptance.replay, as adapt/evaluate.py measures the test part)."""
+    from dspine.eval.acceptance import replay
+    from dspine.stats import AcceptanceStats
+
+    jobs = [(n, list(p), list(c)) for p, c in rows for n in drafters]
+    res = replay(target, drafters, jobs, progress=False, batch_size=batch_size)
+    pooled: dict = {}
+    for (n, _, _), r in zip(jobs, res):
+        st = AcceptanceStats(r["block_size"], r["accept_hist"])
+        pooled[n] = st if n not in pooled else pooled[n].merge(st)
+    return {n: st.tau for n, st in pooled.items()}
 
 
 def _ray_worker(conf: dict) -> None:

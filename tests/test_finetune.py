@@ -162,6 +162,36 @@ def test_lora_trains_the_heads_only_when_asked_and_merges_exactly(setup):
         add_lora(load_drafter(setup / "base"), _cfg(setup, name="x", mode="lora", target_modules=["qkv"]))
 
 
+def test_validation_picks_the_blend_by_replaying_its_rows(setup, smollm2, smollm2_pairs):
+    """select_by=replay (the default): each blend choice is scored by the pooled τ of the validation rows replayed
+    through the engine, as the test part is measured, and the best is saved and named. On the real target: the
+    shipped drafter blended 1% toward random weights accepts; the random weights themselves do not."""
+    from dspine.adapt.finetuning import choose_blend, replay_taus
+    from dspine.checkpoint import resolve_drafter
+
+    cfg = dataclasses.replace(_cfg(setup, name="sel", workers=0, blend_choices=[0.5, 1.0]), validation_fraction=0.25)
+    finetune(cfg, progress=False)
+    info = json.loads((setup / "sel" / "all" / "config.json").read_text())["dspine_training"]
+    by, scores = info["blend_validation"]["by"], info["blend_validation"]["tau"]
+    assert by == "replay" and set(scores) == {"0.5", "1.0"} and all(v >= 1.0 for v in scores.values())
+    assert info["blend"] == max((1.0, 0.5), key=lambda a: (scores[str(a)], a))
+
+    shipped = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    state = {k: v.clone() for k, v in shipped.state_dict().items()}
+    noise = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for prm in noise.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g, dtype=prm.dtype) * 0.02)
+    rows = [(ids[:start], ids[start:]) for ids, start in smollm2_pairs[:2]]
+    real = dataclasses.replace(cfg, blend_choices=[0.01, 1.0])
+    alpha, got = choose_blend(real, noise, state, smollm2, [rows[0]], rows)
+    assert alpha == 0.01 and got["0.01"] > 1.5 and got["1.0"] < 1.1, got
+    assert got["1.0"] == pytest.approx(replay_taus(smollm2, {"noise": noise}, rows)["noise"], abs=1e-4)
+    with pytest.raises(ValueError, match="select_by"):
+        _cfg(setup, name="x", select_by="loss").validate()
+
+
 def test_ray_train_two_workers_end_where_one_process_ends(setup):
     import ray
 
