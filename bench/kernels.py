@@ -61,6 +61,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=576, help="drafter width d (default: SmolLM2-135M's 576)")
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument(
+        "--vocab", type=int, default=49152, help="output-head rows (default: the built-in's 49152; Qwen3: 151936)"
+    )
     ap.add_argument("--top-k", default="8", help="transition-cache widths K, comma-separated (default: 8)")
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--dtypes", default="bfloat16,float32")
@@ -71,7 +74,7 @@ def main() -> int:
         "replay: the setting of SGLang's draft step at concurrency 1)",
     )
     a = ap.parse_args()
-    d, r, s, V = a.hidden, 256, 256, 49152  # the built-in vocabulary, the default transfer rank
+    d, r, s, V = a.hidden, 256, 256, a.vocab  # the default transfer rank
     rows = []
     torch.manual_seed(0)
     for dt in a.dtypes.split(","):
@@ -119,6 +122,7 @@ def main() -> int:
                 "top_k": K,
                 "layers": a.layers,
                 "hidden": d,
+                "vocab": V,
                 "injection_path": injection_variant(width=d),
             }
             with torch.no_grad():

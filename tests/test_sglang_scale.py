@@ -21,6 +21,7 @@ from dspine.target import DEFAULT_TARGET, resolve_target_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "experiments"))  # the lab, not the package
 from shape_scale import (
     PAPER_TAU,
+    SHAPES,
     ScaleConfig,
     analyse,
     fit_round,
@@ -62,6 +63,31 @@ def test_shape_folders_hold_the_8b_shape_with_the_builtin_tokenizer(tmp_path):
     assert AutoConfig.from_pretrained(four["target"]).hidden_size == 2560
 
 
+def test_shape_folders_at_qwen3s_vocabulary_with_its_real_tokenizer(tmp_path):
+    """With Qwen3's tokenizer (no model config beside it) the 8B and 4B shapes get Qwen3's 151,936-row output
+    head, the drafters' candidate heads too; a shape file whose head is narrower than the tokenizer is refused."""
+    import gzip
+    import shutil
+
+    tok = tmp_path / "qwen3_tok"
+    tok.mkdir()
+    src = Path(__file__).resolve().parent / "data" / "qwen3_tokenizer"
+    with gzip.open(src / "tokenizer.json.gz", "rb") as f, open(tok / "tokenizer.json", "wb") as g:
+        shutil.copyfileobj(f, g)
+    shutil.copy(src / "tokenizer_config.json", tok / "tokenizer_config.json")
+    for shape in ("qwen3-8b", "qwen3-4b"):
+        paths = write_shape(tmp_path / "out", shape, tok)
+        cfg = AutoConfig.from_pretrained(paths["target"])
+        assert cfg.vocab_size == 151936 and len(AutoTokenizer.from_pretrained(paths["target"])) <= 151936
+        for method in ("dflash", "dspine"):
+            raw = json.loads((Path(paths[method]) / "config.json").read_text())
+            assert config_from_json({**raw, "architectures": ["DSpineDraftModel"]}).vocab_size == 151936
+    narrow = tmp_path / "narrow.json"
+    narrow.write_text(json.dumps({**SHAPES["qwen3-4b"], "vocab_size": 49152}))
+    with pytest.raises(ConfigError, match="151669 tokens do not fit the shape's 49152-row"):
+        write_shape(tmp_path / "out", str(narrow), tok)
+
+
 def test_shape_from_a_config_file_and_bad_shapes(tmp_path):
     good = tmp_path / "mine.json"
     good.write_text(
@@ -86,8 +112,8 @@ def test_shape_from_a_config_file_and_bad_shapes(tmp_path):
     with pytest.raises(ConfigError, match="missing \\['intermediate_size'"):
         shape_config(str(bad))
     bad.write_text(json.dumps({**json.loads(good.read_text()), "vocab_size": 151936}))
-    with pytest.raises(ConfigError, match="vocab_size 151936"):
-        shape_config(str(bad))
+    with pytest.raises(ConfigError, match="vocab_size 151936 — the prompts' tokenizer needs 49152"):
+        write_shape(tmp_path, str(bad), resolve_target_path(DEFAULT_TARGET))  # the built-in tokenizer's 49152
     with pytest.raises(ConfigError, match="must include 1"):
         ScaleConfig(concurrencies=[4, 16]).validate()
     with pytest.raises(ConfigError, match="outside"):

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # bench/experiments/sglang_scale.py on one H200 in device calls of at most 10 minutes. Here, first:
 #   bash ../shared/tools/device-carry-sglang        -> .carry/sgl1 .. sgl3 (SGLang 0.5.17, trimmed)
-#   bash bench/experiments/sglang_scale_gpu.sh tok              -> .carry/tok: the built-in tokenizer's files and the kernel JSONs
+#   bash bench/experiments/sglang_scale_gpu.sh tok [qwen3]      -> .carry/tok: the built-in tokenizer's files (qwen3: Qwen3's real
+#                                                                 tokenizer, so the shapes get its 151,936-row head) and the kernel JSONs
 # and move the shipped drafter and workloads/data/office out of the working tree (git update-index --skip-worktree,
 # then remove; restore after) so a call's tree + carry stays under 64 MiB. Then, back to back (the machine goes
 # back 30 s after a call; /tmp survives while it is warm):
 #   1 carry .carry/sgl1, 2 carry .carry/sgl2:  mkdir -p /tmp/sglwhl && cp .carry/sglK/*.whl /tmp/sglwhl/
 #   3.. carry .carry/sgl3 + .carry/tok, DSPINE_GIT_SHA exported:
-#   bash bench/experiments/sglang_scale_gpu.sh pre                 GPU kernel tests + bench/kernels.py at 4096 (-> /tmp/scale)
+#   bash bench/experiments/sglang_scale_gpu.sh pre                 GPU kernel tests + bench/kernels.py at 4096 (VOCAB=151936: Qwen3's head) (-> /tmp/scale)
 #   bash bench/experiments/sglang_scale_gpu.sh SHAPE LIMIT ARGS..  bench/experiments/sglang_scale.py --shape SHAPE under LIMIT seconds, the
 #                                                      ARGS added (e.g. --taus 2,3,4.8 --group 3 --profile 2 --out
 #                                                      /tmp/scale/sglang_scale.json: a rerun skips what is measured)
@@ -21,11 +22,15 @@
 # The first call of 3.. after all parts assembles the .so into /tmp/site/sgl_kernel.
 set -uo pipefail
 if [ "${1:-}" = tok ]; then
-  tgt=$(python3 -c "from dspine.target import DEFAULT_TARGET, resolve_target_path; print(resolve_target_path(DEFAULT_TARGET))")
-  mkdir -p .carry/tok
-  for f in "$tgt"/tokenizer* "$tgt"/special_tokens* "$tgt"/vocab* "$tgt"/merges* "$tgt"/chat_template* "$tgt"/config.json; do
-    [ -f "$f" ] && cp "$f" .carry/tok/
-  done
+  rm -rf .carry/tok && mkdir -p .carry/tok
+  if [ "${2:-}" = qwen3 ]; then  # Qwen3's real tokenizer: the shapes get its 151,936-row head (shape_scale.tokenizer_rows)
+    cp ../shared/data/qwen3_tokenizer/tokenizer.json ../shared/data/qwen3_tokenizer/tokenizer_config.json .carry/tok/
+  else
+    tgt=$(python3 -c "from dspine.target import DEFAULT_TARGET, resolve_target_path; print(resolve_target_path(DEFAULT_TARGET))")
+    for f in "$tgt"/tokenizer* "$tgt"/special_tokens* "$tgt"/vocab* "$tgt"/merges* "$tgt"/chat_template* "$tgt"/config.json; do
+      [ -f "$f" ] && cp "$f" .carry/tok/
+    done
+  fi
   cp bench/results/kernels_qwen3-8b.json bench/results/kernels_qwen3-4b.json .carry/tok/
   ls .carry/tok
   exit 0
@@ -81,7 +86,7 @@ printf 'Metadata-Version: 2.1\nName: dspine-entry\nVersion: 0.1\n' > $D/METADATA
 printf '[sglang.srt.plugins]\ndspine = dspine.sglang.plugin:register\n' > $D/entry_points.txt
 if [ "$1" = pre ]; then
   PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -m gpu tests/test_kernels.py 2>&1 | tail -3
-  PYTHONPATH=$PWD timeout 150 python3 bench/kernels.py --hidden 4096 --batches 1,4,16,32 --dtypes bfloat16 \
+  PYTHONPATH=$PWD timeout 150 python3 bench/kernels.py --hidden 4096 --vocab ${VOCAB:-49152} --batches 1,4,16,32 --dtypes bfloat16 \
     --out /tmp/scale/kernels_qwen3-8b.json 2>&1 | tail -8
   cp /tmp/scale/kernels_*.json "$OUT"/
   exit 0

@@ -3,8 +3,9 @@ shape — Qwen3-8B, Qwen3-4B or a config file — at forced acceptance lengths (
 
 No weights of that size exist offline and none are needed for timing:
 - SGLang builds the target and both drafters from their configs with random weights (`--load-format dummy`
-  reaches the draft model too); the folders written here hold configs and the built-in tokenizer only
-  (vocabulary 49152), so the prompts are real text;
+  reaches the draft model too); the folders written here hold configs and a real tokenizer only (the built-in's,
+  49,152 rows; or Qwen3's with `--tokenizer`, 151,936 rows as the paper's targets have), so the prompts are real
+  text;
 - `SGLANG_SIMULATE_ACC_LEN=τ` makes every verify commit ⌊τ⌋ or ⌈τ⌉ tokens (SGLang's "match-expected": mean τ)
   after the full round ran: drafter forward with the injections, the proposal (DSpine: transition cache + walk
   folded into the draft CUDA graph; DFlash: argmax), the target's verify of the whole block. The round is
@@ -35,6 +36,7 @@ from dspine.drafter import DSpineConfig
 from dspine.io import atomic_dir, atomic_write_text, md_table, provenance, update_summary
 
 VOCAB = 49152  # the built-in tokenizer's
+QWEN3_VOCAB = 151936  # the Qwen3 output head's rows (its tokenizer has 151,669 tokens)
 QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -54,6 +56,7 @@ SHAPES = {
         "num_key_value_heads": 8,
         "head_dim": 128,
         "tie_word_embeddings": False,
+        "vocab_size": QWEN3_VOCAB,
     },
     "qwen3-4b": {
         "hidden_size": 2560,
@@ -63,9 +66,10 @@ SHAPES = {
         "num_key_value_heads": 8,
         "head_dim": 128,
         "tie_word_embeddings": True,
+        "vocab_size": QWEN3_VOCAB,
     },
 }
-SHAPE_KEYS = tuple(SHAPES["qwen3-8b"])
+SHAPE_KEYS = tuple(k for k in SHAPES["qwen3-8b"] if k != "vocab_size")
 # the paper's seven-benchmark mean acceptance length at T = 0 with Qwen3-8B (project page)
 PAPER_TAU = {"dspine": 4.82, "dflash": 3.77}
 # a smaller KV pool than bench.DEFAULT_FLAGS: 16 GB of weights per 8B server, several servers side by side
@@ -74,8 +78,10 @@ SCALE_FLAGS = ("--load-format", "dummy", "--max-total-tokens", "32768")
 ATTENTION_BACKENDS = ("triton", "fa3", "flashinfer")
 
 
-def shape_config(spec: str) -> tuple[str, dict]:
-    """'qwen3-8b' | 'qwen3-4b' | a CONFIG.json path (HF config with the SHAPE_KEYS) -> (name, target config)."""
+def shape_config(spec: str, rows: int | None = None) -> tuple[str, dict]:
+    """'qwen3-8b' | 'qwen3-4b' | a CONFIG.json path (HF config with the SHAPE_KEYS) -> (name, target config).
+    `rows`: the output head the tokenizer in use needs (`tokenizer_rows`); a config file's own vocab_size must
+    agree with it. None: the shape's own (Qwen3's 151,936 for the named shapes)."""
     if spec in SHAPES:
         name, shape = spec, dict(SHAPES[spec])
     else:
@@ -89,14 +95,29 @@ def shape_config(spec: str) -> tuple[str, dict]:
         missing = [k for k in SHAPE_KEYS if k not in raw]
         if missing:
             raise ConfigError(f"--shape {spec}: missing {missing}")
-        if int(raw.get("vocab_size", VOCAB)) != VOCAB:
-            raise ConfigError(
-                f"--shape {spec}: vocab_size {raw['vocab_size']} — the prompts use the built-in tokenizer ({VOCAB})"
-            )
-        name, shape = path.stem, {k: raw[k] for k in SHAPE_KEYS}
+        own = int(raw.get("vocab_size", rows or VOCAB))
+        if rows is not None and own != rows:
+            raise ConfigError(f"--shape {spec}: vocab_size {own} — the prompts' tokenizer needs {rows} rows")
+        name, shape = path.stem, {**{k: raw[k] for k in SHAPE_KEYS}, "vocab_size": own}
     if shape["num_attention_heads"] % shape["num_key_value_heads"]:
         raise ConfigError(f"shape {name}: num_attention_heads must be a multiple of num_key_value_heads")
-    return name, {**QWEN3, **shape, "vocab_size": VOCAB}
+    return name, {**QWEN3, **shape, "vocab_size": rows or shape["vocab_size"]}
+
+
+def tokenizer_rows(tokenizer_dir: str | Path, spec: str) -> int:
+    """The output-head rows a shape needs for the prompts of this tokenizer folder: the folder's own model
+    vocab_size where it has a config.json (the built-in target: 49,152), else the shape's own when the tokenizer
+    fits in it (the Qwen3 tokenizer in a Qwen3 shape: 151,936)."""
+    from transformers import AutoTokenizer
+
+    tok = Path(tokenizer_dir)
+    if (tok / "config.json").is_file():
+        return int(json.loads((tok / "config.json").read_text())["vocab_size"])
+    own = shape_config(spec)[1]["vocab_size"]
+    n = len(AutoTokenizer.from_pretrained(str(tok)))
+    if n > own:
+        raise ConfigError(f"{tok}: {n} tokens do not fit the shape's {own}-row output head")
+    return own
 
 
 def drafter_config(target: dict, method: str, layers: int = 5, block: int = 16, top_k: int = 8) -> DSpineConfig:
@@ -123,7 +144,7 @@ def write_shape(out: str | Path, spec: str, tokenizer_dir: str | Path, layers=5,
     (config only) -> {"name", "target", "dflash", "dspine"} paths."""
     from dspine.sglang.export import ARCHS
 
-    name, target = shape_config(spec)
+    name, target = shape_config(spec, tokenizer_rows(tokenizer_dir, spec))
     tok = Path(tokenizer_dir)
     keep = ("tokenizer", "special_tokens", "vocab", "merges", "chat_template")
     tok_files = [p for p in tok.iterdir() if p.name.startswith(keep)]
@@ -396,6 +417,7 @@ def run_scale(cfg: ScaleConfig) -> dict:
         "top_k": cfg.top_k,
         "flags": flags,
         "prompts": len(prompts),
+        "vocab": json.loads((Path(paths["target"]) / "config.json").read_text())["vocab_size"],
     }
     doc = whole["shapes"].get(paths["name"], {})
     if doc.get("settings") != settings:
@@ -582,6 +604,7 @@ def scale_section(whole: dict) -> dict:
                 lab: p.get("dspine_vs_dflash") for lab, p in (doc.get("projection") or {}).items()
             },
             "errors": {n: v["error"] for n, v in doc.get("variants", {}).items() if "error" in v},
+            "vocab": doc.get("settings", {}).get("vocab", VOCAB),
             **{k: doc.get(k) for k in ("git_sha", "command", "hardware", "sglang_version")},
             "flags": flags,
             "attention_backend": flags[flags.index("--attention-backend") + 1]
