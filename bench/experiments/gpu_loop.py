@@ -24,6 +24,9 @@ box whose calls are time-limited can run them one by one while the servers stay 
   report   τ per workload × level from the proxy's store before and after the deploy; JSON + Markdown (--out) and
            the `gpu_loop` section of --summary
   down     stops what `up` started (by the pids it recorded, checked against their start time and command line)
+  race     (SGLang only, on its own after `adapt`) AR, NGRAM without and with the training tasks' completions as
+           its external corpus, the plugin with the base and the adapted drafter, on the test rows at
+           --race-concurrency: τ, tokens/s and × AR
 `--backend dspine` runs every stage against `dspine serve` instead (any machine, CPU included): a rehearsal of the
 orchestration, restarted the same way.
 """
@@ -48,10 +51,16 @@ from pathlib import Path
 from dspine.io import atomic_write_text, md_table, provenance, update_summary
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ("up", "collect", "adapt", "replay", "deploy", "report")
+STAGES = ("up", "collect", "adapt", "replay", "deploy", "report")  # `all`; `race` runs on its own
 # SGLang for the loop: triton attention and torch sampling (no FA3 / flashinfer JIT needed), the radix cache off (the
 # plugin's measured path; a reused prefix also changes bf16 numerics between the replays), no CUDA graphs (each
 # restart would recapture them), a small KV pool so Ray Train and the engine's evaluation share the GPU with it
+# the race measures speed: decode CUDA graphs on (batch 1..32), the KV pool shared with the loop's own server
+RACE_FLAGS = (
+    "--attention-backend triton --sampling-backend pytorch --disable-radix-cache --mem-fraction-static 0.4 "
+    "--max-total-tokens 131072 --max-running-requests 32 --disable-prefill-cuda-graph "
+    "--cuda-graph-bs-decode 1 2 4 8 16 32"
+)
 SGLANG_FLAGS = (
     "--attention-backend triton --sampling-backend pytorch --disable-radix-cache --disable-cuda-graph "
     "--mem-fraction-static 0.3 "
@@ -471,6 +480,84 @@ class Loop:
         self.save()
         log(f"broken drafter: {entry['action']} ({entry.get('reasons')}); serving {serving.get('drafter')}")
 
+    def race(self) -> None:
+        """The race in SGLang on the held-out test rows (never the rows the corpus is built from): AR, NGRAM without
+        and with the target's completions of the training tasks as its external corpus, the dspine plugin with the
+        base and the adapted drafter (and DFlash with --dflash): one server at a time beside the loop's, τ from
+        SGLang's counts and tokens/s at each --race-concurrency, × AR. A rerun skips the methods already measured."""
+        from dspine.sglang.bench import SGLangServer, _run_set
+        from dspine.stats import tau_of
+
+        if self.a.backend != "sglang":
+            raise SystemExit("gpu_loop: the race is SGLang's (the CPU engine's race is bench/agent_race.py)")
+        self.need("target_dir", "block_size")
+        rows = self.test_rows()[: self.a.race_rows]
+        prompts = [list(r["prompt_token_ids"]) for r in rows]
+        conc = [int(c) for c in self.a.race_concurrency.split(",")]
+        corpus = self.work / "corpus.jsonl"
+        if not corpus.is_file():
+            from dspine.agents.traces import load_traces
+
+            held = {r["episode_id"] for r in self.test_rows()}
+            train = [r for r in load_traces(str(self.work / "traces")).to_pylist() if r["episode_id"] not in held]
+            atomic_write_text(corpus, "".join(json.dumps(r["completion_text"]) + "\n" for r in train))
+        ngram = ["--speculative-algorithm", "NGRAM"]
+        methods = {
+            "ar": [],
+            "ngram": ngram,
+            "ngram+corpus": [*ngram, "--speculative-ngram-external-corpus-path", str(corpus)]
+            + ["--speculative-ngram-external-sam-budget", str(self.a.sam_budget)],
+        }
+        drafters = {"dspine": self.state["base_drafter"]}
+        adapted = self.work / "finetune" / "all"
+        if adapted.is_dir():
+            from dspine.sglang.export import export_sglang
+
+            out = self.work / "exports" / "adapted"
+            if not out.is_dir():
+                export_sglang(str(adapted), out, target=self.a.target)
+            drafters["dspine-adapted"] = str(out)
+        if self.a.dflash:
+            drafters["dflash"] = self.a.dflash
+        for name, path in drafters.items():
+            methods[name] = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", path,
+                             "--speculative-num-draft-tokens", str(self.state["block_size"])]  # fmt: skip
+        flags = shlex.split(RACE_FLAGS) + ["--context-length", str(self.a.context)]
+        done = self.result.setdefault("race", {"rows": len(rows), "concurrency": conc, "methods": {}})
+        for name, extra in methods.items():
+            if name in done["methods"] and "error" not in done["methods"][name]:
+                continue
+            log(f"race: {name}")
+            srv = SGLangServer(self.state["target_dir"], None, 0, [*flags, *extra], "bfloat16",
+                               self.work / "logs" / f"race-{name}.log")  # fmt: skip
+            entry: dict = {"flags": extra}
+            try:
+                srv.wait(self.a.ready_timeout)
+                entry["startup_s"] = round(srv.startup_s, 1)
+                for c in conc:
+                    docs, wall = _run_set(srv, prompts, c, self.a.replay_tokens, 0.0)
+                    toks = sum(d["meta_info"]["completion_tokens"] for d in docs)
+                    acc = sum(d["meta_info"].get("spec_num_correct_drafts", 0) for d in docs)
+                    rounds = sum(d["meta_info"].get("spec_verify_ct", 0) for d in docs)
+                    entry[str(c)] = {
+                        "tokens": toks,
+                        "seconds": round(wall, 2),
+                        "tokens_per_s": round(toks / wall, 1),
+                        "tau": round(tau_of(acc, rounds), 3) if rounds else 1.0,
+                    }
+            except (RuntimeError, OSError, KeyError) as e:
+                entry["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                srv.close()
+            done["methods"][name] = entry
+            ar = done["methods"].get("ar", {})
+            for m in done["methods"].values():
+                for c in conc:
+                    if str(c) in m and str(c) in ar:
+                        m[str(c)]["vs_ar"] = round(m[str(c)]["tokens_per_s"] / ar[str(c)]["tokens_per_s"], 3)
+            self.save()
+            log(f"race {name}: {json.dumps(entry)[:400]}")
+
     def report(self) -> dict:
         from dspine.serve.store import AcceptanceStore
 
@@ -700,7 +787,7 @@ def _r(x, nd: int = 3):
 
 
 def summary_section(doc: dict) -> dict:
-    keep = ("backend", "collect", "finetune", "evaluate", "replay", "deploy", "rollback", "store")
+    keep = ("backend", "collect", "finetune", "evaluate", "replay", "deploy", "rollback", "store", "race")
     out = {k: doc.get(k) for k in keep if k in doc}
     for k in ("git_sha", "command", "hardware", "sglang_version", "ray_version", "flags"):
         out[k] = doc.get(k)
@@ -754,6 +841,15 @@ def markdown(doc: dict) -> str:
     for k in ("deploy", "rollback"):
         if doc.get(k):
             lines += [f"{k}: `{json.dumps(doc[k])}`", ""]
+    race = doc.get("race") or {}
+    if race.get("methods"):
+        conc = race["concurrency"]
+        head = ["method", *[f"c={c} tok/s (× AR)" for c in conc], "τ (c=1)"]
+        rows = []
+        for m, v in race["methods"].items():
+            cells = [f"{v[str(c)]['tokens_per_s']} ({v[str(c)].get('vs_ar')})" if str(c) in v else "—" for c in conc]
+            rows.append([m, *cells, (v.get(str(conc[0])) or {}).get("tau", v.get("error", "—"))])
+        lines += [f"The race in SGLang ({race['rows']} held-out test rows)", "", md_table(head, rows), ""]
     st = doc.get("store") or {}
     if st:
         names = list(st)
@@ -766,7 +862,7 @@ def markdown(doc: dict) -> str:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=[*STAGES, "all", "down"], help="what to run (all: up to report, then down)")
+    p.add_argument("stage", choices=[*STAGES, "race", "all", "down"], help="what to run (all: up to report, then down)")
     p.add_argument("--work", default="/tmp/gpuloop", help="state, logs, traces, drafters (default: %(default)s)")
     p.add_argument("--backend", choices=("sglang", "dspine"), default="sglang")
     p.add_argument("--target", default="smollm2-135m-instruct", help="target spec (built-in name or .gguf)")
@@ -802,6 +898,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=0.15, help="served vs engine τ of the same rows, relative")
     p.add_argument("--probe-clients", type=int, default=4, help="clients sending through the proxy during deploy")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a backend may take to start")
+    p.add_argument("--race-rows", type=int, default=64, help="race: test rows sent at each concurrency")
+    p.add_argument("--race-concurrency", default="1,4,16", help="race: concurrencies, comma-separated")
+    p.add_argument("--sam-budget", type=int, default=8, help="race: NGRAM's draft nodes for its external corpus")
+    p.add_argument("--dflash", help="race: a DFlash drafter (SGLang export) for the target, if one exists")
     p.add_argument("--out", help="JSON written by report (a .md beside it)")
     p.add_argument("--summary", help="summary.json whose gpu_loop section report rewrites")
     return p.parse_args(argv)
