@@ -125,3 +125,31 @@ def test_proxy_reads_acceptance_and_ids_from_an_sglang_choice():
     top = AcceptanceStats(3, [1, 1, 1])  # a top-level meta_info (dspine serve) wins over the choice's
     resp2 = SimpleNamespace(choices=[choice], model_extra={}, meta_info=top.sglang_meta())
     assert acceptance_from_response(resp2)["spec_correct_drafts_histogram"] == [1, 1, 1]
+
+
+def test_a_backend_that_died_is_started_again_on_its_port(tmp_path):
+    """ensure_backend: a backend that does not answer is started again from its recorded command on the same port
+    (the proxy's route stays valid), and the restart is counted."""
+    import json
+    import urllib.request
+
+    from dspine.adapt.deployment import stop_backend
+    from dspine.process import free_port
+
+    port = free_port()
+    work = tmp_path / "w"
+    work.mkdir()
+    cmd = f"{sys.executable} -m dspine.cli serve --drafter none --served-model-name smol --port {port}"
+    (work / "state.json").write_text(json.dumps({"backend_port": port, "admin_key": "k" * 16}))
+    (work / "backend.json").write_text(json.dumps({"pid": 1, "command": cmd, "drafter": "none"}))
+    (work / "backend.log").write_text("ValueError: pool memory leak detected!\n")
+    loop = gpu_loop.Loop(gpu_loop.parse(["replay", "--work", str(work), "--backend", "dspine", "--device", "cpu"]))
+    try:
+        loop.ensure_backend()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "smol"
+        assert [x["log"] for x in loop.result["backend_restarts"]] == [["ValueError: pool memory leak detected!"]]
+        loop.ensure_backend()  # it answers now: nothing more
+        assert len(loop.result["backend_restarts"]) == 1
+    finally:
+        stop_backend(json.loads((work / "backend.json").read_text()))

@@ -144,6 +144,26 @@ class Loop:
             f"--served-model-name {self.a.model} --device {self.a.device} --max-prompt-tokens {self.a.context - 256}"
         )
 
+    def ensure_backend(self) -> None:
+        """The backend answers, or it is started again from its recorded command on the same port (the proxy's
+        route stays valid); each restart is counted in the result with the log's last line."""
+        from dspine.adapt.deployment import start_backend
+
+        base = f"http://127.0.0.1:{self.state['backend_port']}"
+        try:
+            urllib.request.urlopen(base + "/v1/models", timeout=10).read()
+            return
+        except OSError:
+            pass
+        rec = _read_json(self.work / "backend.json") or {}
+        tail = (self.work / "backend.log").read_text(errors="replace").strip().splitlines()[-1:]
+        log(f"the backend does not answer ({tail}); starting it again")
+        t0 = time.time()
+        start_backend(self.deploy_cfg(ready_timeout_s=self.a.ready_timeout), rec["command"], self.work / "backend.json",
+                      rec["drafter"])  # fmt: skip
+        self.result.setdefault("backend_restarts", []).append({"log": tail, "seconds": round(time.time() - t0, 1)})
+        self.save()
+
     def deploy_cfg(self, **kw):
         from dspine.adapt.deployment import DeployConfig
 
@@ -394,6 +414,7 @@ class Loop:
 
     def replay(self) -> None:
         self.need("backend_port")
+        self.ensure_backend()
         got = self.sglang_replay("base")
         self.proxy_replay("base")
         engine = (self.result.get("evaluate") or {}).get("per_cell") or {}
@@ -412,6 +433,7 @@ class Loop:
         from dspine.adapt.deployment import deploy
 
         self.need("backend_port", "proxy")
+        self.ensure_backend()
         restart = self.backend_command()
         export = "sglang" if self.a.backend == "sglang" else ""
         os.environ["PYTHONPATH"] = self.env()["PYTHONPATH"]
