@@ -60,6 +60,23 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def end_tree(root: int, pids: list[int], grace: float, reap=lambda: None) -> None:
+    """SIGTERM to `pids`, SIGKILL to what outlives `grace` seconds (and to what appeared below `root` meanwhile)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + (grace if sig == signal.SIGTERM else 5)
+        while time.time() < deadline and any(alive(p) for p in pids):
+            reap()
+            time.sleep(0.2)
+        pids = [p for p in pids + descendants(root) if alive(p)]
+        if not pids:
+            break
+
+
 class LocalRayHead:
     """`with LocalRayHead() as head:` — head.address (GCS, for ray.init / RAY_ADDRESS), head.dashboard (the job
     API, for `ray job submit --address`), head.env; its processes end when the block does."""
@@ -143,20 +160,7 @@ class LocalRayHead:
     def stop(self, grace: float = 20) -> None:
         """SIGTERM to the head's processes (ray start then stops the rest in order), SIGKILL to what outlives
         `grace` seconds."""
-        pids = self.pids()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.time() + (grace if sig == signal.SIGTERM else 5)
-            while time.time() < deadline and any(alive(p) for p in pids):
-                self.proc.poll()  # reap ray start itself
-                time.sleep(0.2)
-            pids = [p for p in pids + descendants(self.proc.pid) if alive(p)]
-            if not pids:
-                break
+        end_tree(self.proc.pid, self.pids(), grace, reap=self.proc.poll)  # reaps ray start itself
         self.proc.poll()
         self.log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -175,18 +179,6 @@ def stop_recorded(rec: dict, grace: float = 20) -> bool:
 
     if not same_process(rec["pid"], rec.get("identity")):
         return False
-    pids = [rec["pid"], *descendants(rec["pid"])]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + (grace if sig == signal.SIGTERM else 5)
-        while time.time() < deadline and any(alive(p) for p in pids):
-            time.sleep(0.2)
-        pids = [p for p in pids if alive(p)]
-        if not pids:
-            break
+    end_tree(rec["pid"], [rec["pid"], *descendants(rec["pid"])], grace)
     shutil.rmtree(rec["temp_dir"], ignore_errors=True)
     return True

@@ -9,8 +9,8 @@ Design choices:
   read) and another to the **validation** part (`validation_fraction`; its τ_sim picks the checkpoint during
   training and, among `blend_choices`, the blend is picked by replaying its rows exactly as the test part is
   measured — `select_by=replay`, the default; `tau_sim` the labelled alternative); no test row ever chooses
-  anything. `split=episode` (per workload × level cell, by
-  episode) is the labelled alternative for traffic with too few tasks.
+  anything. `split=episode` (per workload × level cell, by episode) is the labelled alternative for traffic with
+  too few tasks.
 - **Groups**: one drafter for all traces, per workload, or per workload × thinking level (`per`).
 - **Warm start, never resume**: the base's weights only (its config and target checked by `load_drafter`),
   a fresh optimizer at a low learning rate; `mode=lora` injects peft LoRA into `target_modules` (by name) and

@@ -4,9 +4,8 @@ SDK, and the trace it leaves.
 An episode is one task at one thinking level. Each model call goes out tagged with `metadata.workload` and
 `reasoning_effort`, asks the server for the exact token ids (`return_token_ids`) and its acceptance
 (`return_spec_tokens_details`; SGLang 0.5.17: per-choice `meta_info` with `return_meta_info`), and becomes one
-`TraceRow`; the episode is bounded in turns, generated tokens
-and wall time (`EpisodeLimit` ends it with its reason). Tools run in the episode's `Jail`; a tool that fails
-gives its error to the model as the tool's result.
+`TraceRow`; the episode is bounded in turns, generated tokens and wall time (`EpisodeLimit` ends it with its
+reason). Tools run in the episode's `Jail`; a tool that fails gives its error to the model as the tool's result.
 
 Token ids: the request sets `return_token_ids`, which the embedded server answers with `prompt_token_ids` (top
 level) and per-choice `token_ids` (vLLM's convention) and SGLang's OpenAI endpoints with per-choice
