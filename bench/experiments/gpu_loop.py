@@ -234,6 +234,7 @@ class Loop:
 
     def collect(self) -> None:
         self.need("proxy")
+        self.ensure_backend()
         endpoint = f"http://127.0.0.1:{self.state['proxy']['port']}/v1"
         common = ["--endpoint", endpoint, "--api-key", self.state["proxy_key"], "--model", self.a.model]
         common += ["--concurrency", str(self.a.concurrency)]
@@ -256,6 +257,7 @@ class Loop:
         if self.a.replay_turns:
             args += ["--max-turns", str(self.a.replay_turns)]
         t1 = time.time()
+        self.ensure_backend()
         runs["replay"] = {"rc": self.ray_job(args, "collect-replay"), "seconds": round(time.time() - t1, 1)}
         runs["replay"]["accounts"] = _read_json(out / "accounts.json")
         merged = merge_collections([self.work / "collect-live", out], self.work / "traces")
