@@ -121,7 +121,7 @@ class Loop:
         local: the same script in a plain process, its episodes in local workers and its training in-process)."""
         if self.a.executor == "local":
             extra = ["--executor", "local"] if args[0].endswith("collect.py") else []
-            return self.run([sys.executable, *args, *extra], name, timeout)
+            return self.run([sys.executable, str(ROOT / args[0]), *args[1:], *extra], name, timeout)
         self.need("ray")
         rt = json.dumps({"excludes": [".git", ".carry", ".whl", "runs", "*.safetensors", "*.gguf"]})
         cmd = ["ray", "job", "submit", "--address", self.state["ray"]["dashboard"], "--working-dir", str(ROOT)]
@@ -263,7 +263,6 @@ class Loop:
         merged = merge_collections([self.work / "collect-live", out], self.work / "traces")
         self.result["collect"] = {"runs": runs, "rows": merged, "seconds": round(time.time() - t0, 1)}
         self.result["collect"].update(trace_figures(self.work / "traces", time.time() - t0))
-        self.state["collected_until"] = time.time()
         self.save()
 
     def adapt(self) -> None:
@@ -293,7 +292,8 @@ class Loop:
         if rc:
             raise SystemExit("gpu_loop: the fine-tune failed (see logs/finetune.log)")
         t0 = time.time()
-        ev = [sys.executable, "adapt/evaluate.py", "--finetune", str(ft), "--out", str(self.work / "adapt.json")]
+        ev = [sys.executable, str(ROOT / "adapt" / "evaluate.py"), "--finetune", str(ft)]
+        ev += ["--out", str(self.work / "adapt.json")]
         ev += [f"limit={self.a.general_limit}", "batch_size=32", f"general_workers={self.a.general_workers}"]
         ev += self.a.eval_set
         rc = self.run(ev, "evaluate")
