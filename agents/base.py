@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dspine.agents.sandbox import Jail, JailLimits
+from dspine.serve.records import acceptance_from_response, reply_ids
 from dspine.stats import AcceptanceStats
 
 LEVELS = ("none", "low", "medium", "high", "xhigh")
@@ -198,14 +199,9 @@ class Episode:
         latency = time.time() - t0
         choice = resp.choices[0]
         msg = choice.message
-        psf = getattr(choice, "provider_specific_fields", None) or {}
-        prompt_ids = list(getattr(resp, "prompt_token_ids", None) or psf.get("prompt_token_ids") or [])
-        out_ids = psf.get("token_ids") or getattr(choice, "token_ids", None)
-        out_ids = out_ids or getattr(resp, "completion_token_ids", None)
-        out_ids = list(out_ids or [])
-        spec = (getattr(resp, "sglext", None) or {}).get("spec_tokens_details") or psf.get("meta_info")
-        spec = spec or getattr(resp, "meta_info", None) or {}
-        st = AcceptanceStats.from_sglang_meta(spec)
+        prompt_ids = reply_ids(resp, "prompt_token_ids") or []
+        out_ids = reply_ids(resp, "token_ids") or []
+        st = AcceptanceStats.from_sglang_meta(acceptance_from_response(resp))
         hist = list(st.accept_hist) if st else []
         calls = [c.model_dump() if hasattr(c, "model_dump") else dict(c) for c in (msg.tool_calls or [])]
         usage = resp.usage

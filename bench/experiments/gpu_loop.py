@@ -34,6 +34,7 @@ orchestration, restarted the same way.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -158,6 +159,7 @@ class Loop:
         rec = _read_json(self.work / "backend.json") or {}
         tail = (self.work / "backend.log").read_text(errors="replace").strip().splitlines()[-1:]
         log(f"the backend does not answer ({tail}); starting it again")
+        self.export_env()
         t0 = time.time()
         start_backend(self.deploy_cfg(ready_timeout_s=self.a.ready_timeout), rec["command"], self.work / "backend.json",
                       rec["drafter"])  # fmt: skip
@@ -203,8 +205,7 @@ class Loop:
         if "backend_port" not in self.state:
             self.state["backend_port"] = free_port()
             cfg = self.deploy_cfg(ready_timeout_s=self.a.ready_timeout)
-            os.environ.update({k: v for k, v in self.env().items() if k == "PYTHONPATH"})
-            os.environ["DSPINE_ADMIN_KEY"] = self.state["admin_key"]
+            self.export_env()
             cmd = self.backend_command().format(drafter=drafter, port=self.state["backend_port"])
             t1 = time.time()
             start_backend(cfg, cmd, Path(cfg.state), drafter)
@@ -311,14 +312,30 @@ class Loop:
         }
         self.save()
 
-    def test_rows(self) -> list[dict]:
-        """The fine-tune's test rows (held out by task): prompt and completion ids, workload, level."""
+    @functools.cached_property
+    def trace_rows(self) -> list[dict]:
+        """Every row of the merged collection (read once, after the collection)."""
         from dspine.agents.traces import load_traces
 
+        return load_traces(str(self.work / "traces")).to_pylist()
+
+    @functools.cached_property
+    def heldout(self) -> set[str]:
+        """The fine-tune's test episodes (held out by task)."""
         doc = json.loads((self.work / "finetune" / "finetune.json").read_text())
-        held = {e for g in doc["groups"].values() for e in g.get("heldout_episodes", [])}
-        rows = [r for r in load_traces(str(self.work / "traces")).to_pylist() if r["episode_id"] in held]
+        return {e for g in doc["groups"].values() for e in g.get("heldout_episodes", [])}
+
+    @functools.cached_property
+    def test_rows(self) -> list[dict]:
+        """The fine-tune's test rows with their ids: prompt and completion ids, workload, level."""
+        rows = [r for r in self.trace_rows if r["episode_id"] in self.heldout]
         return [r for r in rows if r["prompt_token_ids"] and r["completion_token_ids"]]
+
+    def export_env(self) -> None:
+        """What every backend this loop starts inherits (start_backend passes this process's environment on): the
+        checkout on PYTHONPATH and the admin key."""
+        os.environ["PYTHONPATH"] = self.env()["PYTHONPATH"]
+        os.environ["DSPINE_ADMIN_KEY"] = self.state["admin_key"]
 
     def sglang_replay(self, name: str) -> dict:
         """The test rows' exact prompts through the backend at T = 0, as many tokens as each recorded completion
@@ -326,7 +343,7 @@ class Loop:
         from dspine.stats import tau_of
 
         base = f"http://127.0.0.1:{self.state['backend_port']}"
-        rows = self.test_rows()
+        rows = self.test_rows
         cells: dict[str, dict] = {}
 
         def one(r: dict) -> tuple[dict, dict]:
@@ -376,7 +393,7 @@ class Loop:
     def proxy_replay(self, name: str) -> dict:
         """The test rows' recorded messages (tools included) as chat requests through the proxy, each tagged with
         its workload and level: what the proxy's store shows per cell. Their ids are kept for the report."""
-        rows = self.test_rows()
+        rows = self.test_rows
         url = f"http://127.0.0.1:{self.state['proxy']['port']}/v1/chat/completions"
 
         def one(r: dict) -> str | None:
@@ -438,8 +455,7 @@ class Loop:
         self.ensure_backend()
         restart = self.backend_command()
         export = "sglang" if self.a.backend == "sglang" else ""
-        os.environ["PYTHONPATH"] = self.env()["PYTHONPATH"]
-        os.environ["DSPINE_ADMIN_KEY"] = self.state["admin_key"]
+        self.export_env()
         self.state["deploy_started"] = time.time()
         self.save()
         probe = ProxyClients(self.state, self.a.model, self.a.probe_clients)
@@ -515,15 +531,12 @@ class Loop:
         if self.a.backend != "sglang":
             raise SystemExit("gpu_loop: the race is SGLang's (the CPU engine's race is bench/agent_race.py)")
         self.need("target_dir", "block_size")
-        rows = self.test_rows()[: self.a.race_rows]
+        rows = self.test_rows[: self.a.race_rows]
         prompts = [list(r["prompt_token_ids"]) for r in rows]
         conc = [int(c) for c in self.a.race_concurrency.split(",")]
         corpus = self.work / "corpus.jsonl"
-        if not corpus.is_file():
-            from dspine.agents.traces import load_traces
-
-            held = {r["episode_id"] for r in self.test_rows()}
-            train = [r for r in load_traces(str(self.work / "traces")).to_pylist() if r["episode_id"] not in held]
+        if not corpus.is_file():  # never a test task's: training and validation rows only
+            train = [r for r in self.trace_rows if r["episode_id"] not in self.heldout]
             atomic_write_text(corpus, "".join(json.dumps(r["completion_text"]) + "\n" for r in train))
         ngram = ["--speculative-algorithm", "NGRAM"]
         methods = {
@@ -737,57 +750,51 @@ def merge_collections(dirs: list[Path], out: Path) -> dict[str, int]:
     return rows
 
 
+def by_cell(rows: list[dict]) -> dict:
+    """Rows (trace rows or the store's) -> per workload/level: stats.group_by's figures over their recorded
+    acceptance (`items`: all rows; `requests`: those with verify rounds; `tau_pooled`)."""
+    from dspine.stats import AcceptanceStats, group_by
+
+    def stats(r: dict):
+        h = r["accept_hist"]
+        return AcceptanceStats(len(h), list(h)) if h else None
+
+    return group_by((f"{r['workload']}/{r['thinking']}", stats(r)) for r in rows)
+
+
+def _tau(g: dict) -> float | None:
+    return round(g["tau_pooled"], 3) if g["requests"] and g["tau_pooled"] is not None else None
+
+
 def trace_figures(traces: Path, seconds: float) -> dict:
     """Per workload × level: episodes, rows, rows with token ids, generated tokens, τ pooled from the recorded
     acceptance; episodes per minute over the collection's wall time."""
     from dspine.agents.traces import load_traces
-    from dspine.stats import AcceptanceStats
 
-    cells: dict[str, dict] = {}
-    stats: dict[str, AcceptanceStats] = {}
     rows = load_traces(str(traces)).to_pylist() if (traces / "traces").is_dir() else []
+    groups, cells = by_cell(rows), {}
     for r in rows:
-        k = f"{r['workload']}/{r['thinking']}"
-        c = cells.setdefault(k, {"episodes": set(), "tasks": set(), "rows": 0, "rows_with_ids": 0, "tokens": 0})
-        c["episodes"].add(r["episode_id"])
-        c["tasks"].add(r["task_id"])
-        c["rows"] += 1
-        c["rows_with_ids"] += int(bool(r["has_token_ids"]))
-        c["tokens"] += len(r["completion_token_ids"] or [])
-        if r["accept_hist"]:
-            st = AcceptanceStats(len(r["accept_hist"]), list(r["accept_hist"]))
-            stats[k] = st if k not in stats else stats[k].merge(st)
+        cells.setdefault(f"{r['workload']}/{r['thinking']}", []).append(r)
     out = {}
-    for k, c in sorted(cells.items()):
+    for k, mine in sorted(cells.items()):
         out[k] = {
-            "episodes": len(c["episodes"]),
-            "tasks": len(c["tasks"]),
-            "rows": c["rows"],
-            "rows_with_ids": c["rows_with_ids"],
-            "tokens": c["tokens"],
-            "tau_recorded": round(stats[k].tau, 3) if k in stats else None,
+            "episodes": len({r["episode_id"] for r in mine}),
+            "tasks": len({r["task_id"] for r in mine}),
+            "rows": len(mine),
+            "rows_with_ids": sum(bool(r["has_token_ids"]) for r in mine),
+            "tokens": sum(len(r["completion_token_ids"] or []) for r in mine),
+            "tau_recorded": _tau(groups[k]),
         }
     episodes = sum(v["episodes"] for v in out.values())
     return {"cells": out, "episodes": episodes, "episodes_per_min": round(episodes / max(seconds, 1e-9) * 60, 2)}
 
 
 def store_cells(rows: list[dict]) -> dict:
-    """The proxy's recorded requests -> per workload/level: requests, τ pooled over those with acceptance."""
-    from dspine.stats import AcceptanceStats
-
-    out: dict[str, dict] = {}
-    for r in rows:
-        k = f"{r['workload']}/{r['thinking']}"
-        c = out.setdefault(k, {"requests": 0, "with_acceptance": 0, "stats": None})
-        c["requests"] += 1
-        if r["accept_hist"]:
-            st = AcceptanceStats(len(r["accept_hist"]), r["accept_hist"])
-            c["with_acceptance"] += 1
-            c["stats"] = st if c["stats"] is None else c["stats"].merge(st)
-    for c in out.values():
-        st = c.pop("stats")
-        c["tau"] = round(st.tau, 3) if st else None
-    return dict(sorted(out.items()))
+    """The proxy's recorded requests -> per workload/level: requests, those with acceptance, τ pooled over them."""
+    groups = by_cell(rows)
+    return {
+        k: {"requests": g["items"], "with_acceptance": g["requests"], "tau": _tau(g)} for k, g in sorted(groups.items())
+    }
 
 
 def scramble_drafter(src: str, out: Path, seed: int = 0) -> None:

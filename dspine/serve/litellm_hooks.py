@@ -32,9 +32,8 @@ from litellm.integrations.custom_logger import CustomLogger
 from dspine.serve.gate import COUNTS, KEY_REFUSED, key_matches
 from dspine.serve.metrics import AcceptanceMetrics
 from dspine.serve.proxy import backend_read_key
-from dspine.serve.records import RequestRecord
+from dspine.serve.records import RequestRecord, acceptance_from_response, first_choice, reply_ids
 from dspine.serve.store import AcceptanceStore
-from dspine.stats import AcceptanceStats
 
 _METRICS = None
 
@@ -49,24 +48,6 @@ def _metrics(port: int) -> AcceptanceMetrics:
         if port:
             start_http_server(port, addr="127.0.0.1")
     return _METRICS
-
-
-def acceptance_from_response(resp) -> dict | None:
-    """SGLang-shaped acceptance fields carried on a (non-streaming) response, if any: top-level `meta_info` or
-    `sglext.spec_tokens_details`, or the first choice's `meta_info` (SGLang 0.5.17 with `return_meta_info`, which
-    LiteLLM keeps among the choice's provider_specific_fields); the histogram widened to the drafter's block."""
-    extra = getattr(resp, "model_extra", None) or {}
-    choice = (getattr(resp, "choices", None) or [None])[0]
-    psf = getattr(choice, "provider_specific_fields", None) or {}
-    for blob in (
-        getattr(resp, "meta_info", None) or extra.get("meta_info"),
-        ((getattr(resp, "sglext", None) or extra.get("sglext")) or {}).get("spec_tokens_details"),
-        psf.get("meta_info") or getattr(choice, "meta_info", None),
-    ):
-        st = AcceptanceStats.from_sglang_meta(blob) if isinstance(blob, dict) else None
-        if st is not None:
-            return {**blob, "spec_correct_drafts_histogram": list(st.accept_hist)}
-    return None
 
 
 class DSpineLogger(CustomLogger):
@@ -233,8 +214,7 @@ def lift_choice_fields(resp, request: dict) -> None:
     serve's completion `token_ids`) copied to the reply's top level as `prompt_token_ids`, `completion_token_ids`
     and `meta_info` — only those the request asked for (return_token_ids, return_meta_info) and not already there."""
     asked = {**(request.get("extra_body") or {}), **request}
-    choice = (getattr(resp, "choices", None) or [None])[0]
-    psf = getattr(choice, "provider_specific_fields", None) or {}
+    _, psf = first_choice(resp)
     pairs = []
     if asked.get("return_token_ids"):
         pairs += [("prompt_token_ids", "prompt_token_ids"), ("token_ids", "completion_token_ids")]
@@ -243,15 +223,6 @@ def lift_choice_fields(resp, request: dict) -> None:
     for src, dst in pairs:
         if psf.get(src) is not None and getattr(resp, dst, None) is None:
             setattr(resp, dst, psf[src])
-
-
-def reply_ids(resp, key: str) -> list[int] | None:
-    """Token ids a reply carries (return_token_ids): top level (dspine serve's prompt ids) or on the first choice
-    (SGLang's; LiteLLM keeps them among its provider_specific_fields)."""
-    choice = (getattr(resp, "choices", None) or [None])[0]
-    psf = getattr(choice, "provider_specific_fields", None) or {}
-    ids = getattr(resp, "prompt_token_ids", None) if key == "prompt_token_ids" else None
-    return list(ids or psf.get(key) or getattr(choice, key, None) or []) or None
 
 
 def backend_id(rid: str | None) -> str | None:

@@ -57,3 +57,38 @@ class RequestRecord:
         spec = self.spec()
         tau, rounds = (spec["spec_accept_length"], spec["spec_verify_ct"]) if spec else (None, None)
         return {**asdict(self), "id": self.request_id, "tau": tau, "verify_rounds": rounds, "spec": spec}
+
+
+# --- what a reply carries (SGLang's shape, dspine serve's, or either behind LiteLLM) ---------------------------
+
+
+def first_choice(resp) -> tuple[object, dict]:
+    """A reply's first choice and the extras LiteLLM keeps on it (provider_specific_fields)."""
+    choice = (getattr(resp, "choices", None) or [None])[0]
+    return choice, getattr(choice, "provider_specific_fields", None) or {}
+
+
+def acceptance_from_response(resp) -> dict | None:
+    """SGLang-shaped acceptance fields carried on a (non-streaming) reply, if any: top-level `meta_info` or
+    `sglext.spec_tokens_details`, or the first choice's `meta_info` (SGLang 0.5.17 with `return_meta_info`, which
+    LiteLLM keeps among the choice's provider_specific_fields); the histogram widened to the drafter's block."""
+    extra = getattr(resp, "model_extra", None) or {}
+    choice, psf = first_choice(resp)
+    for blob in (
+        getattr(resp, "meta_info", None) or extra.get("meta_info"),
+        ((getattr(resp, "sglext", None) or extra.get("sglext")) or {}).get("spec_tokens_details"),
+        psf.get("meta_info") or getattr(choice, "meta_info", None),
+    ):
+        st = AcceptanceStats.from_sglang_meta(blob) if isinstance(blob, dict) else None
+        if st is not None:
+            return {**blob, "spec_correct_drafts_histogram": list(st.accept_hist)}
+    return None
+
+
+def reply_ids(resp, key: str) -> list[int] | None:
+    """Token ids a reply carries (return_token_ids), `key` "prompt_token_ids" or "token_ids" (the completion's):
+    at the top level (dspine serve's prompt ids; both as `dspine proxy` lifts them, the completion's as
+    `completion_token_ids`) or on the first choice (SGLang's; LiteLLM keeps them among its provider_specific_fields)."""
+    choice, psf = first_choice(resp)
+    top = getattr(resp, "prompt_token_ids" if key == "prompt_token_ids" else "completion_token_ids", None)
+    return list(top or psf.get(key) or getattr(choice, key, None) or []) or None
