@@ -3,15 +3,29 @@ whether a PID saved earlier is still the process that was started (not a later o
 
 from __future__ import annotations
 
+import threading
 import time
 
 
+_GIVEN: set[int] = set()  # ports free_port handed out in this process
+_LOCK = threading.Lock()
+
+
 def free_port() -> int:
+    """A port nothing listens on now, and never one this process was given before: the kernel may hand the same
+    free port to two asks in a row (a Ray head's GCS and dashboard both on one port), which nothing listens on
+    between the ask and the child's bind."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with _LOCK:
+        for _ in range(1000):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _GIVEN:
+                _GIVEN.add(port)
+                return port
+    raise RuntimeError("no free port on 127.0.0.1 that this process was not given already")
 
 
 def wait_http(url: str, proc, seconds: float = 120) -> None:

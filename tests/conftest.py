@@ -81,6 +81,26 @@ def regen_pairs(target: Target, prompts: list[list[int]], max_tokens: int) -> li
     return out
 
 
+def _watched_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith(("DSPINE_", "RAY_ADDRESS")) or k == "PYTHONPATH"}
+
+
+@pytest.fixture(autouse=True)
+def environment_kept():
+    """A test (or the code it drives in this process) that leaves a key, a Ray address or the checkout on
+    PYTHONPATH in the environment changes what every later test's servers and subprocesses see: it fails here,
+    and the environment is put back."""
+    before = _watched_env()
+    yield
+    after = _watched_env()
+    if after != before:
+        for k in set(after) - set(before):
+            del os.environ[k]
+        os.environ.update(before)
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        pytest.fail(f"the test left the environment changed: {changed}")
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
 def tiny(request):
     """(target, training pairs) for a tiny random target of each architecture."""

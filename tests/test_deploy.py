@@ -429,3 +429,30 @@ def test_a_saved_backend_pid_is_signalled_only_while_it_is_that_process():
         for p in (own, shared):
             p.kill()
             p.wait()
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """Two asks in a row may get one port from the kernel (a Ray head's GCS and dashboard then collide): free_port
+    asks again rather than give a port it gave before."""
+    import socket
+
+    from dspine import process
+
+    kernel = iter([41001, 41001, 41001, 41002])
+
+    class Fake:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, addr):
+            self.port = next(kernel)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(process, "_GIVEN", set())
+    monkeypatch.setattr(socket, "socket", Fake)
+    assert [process.free_port(), process.free_port()] == [41001, 41002]

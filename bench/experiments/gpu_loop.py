@@ -34,6 +34,7 @@ orchestration, restarted the same way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -159,10 +160,10 @@ class Loop:
         rec = _read_json(self.work / "backend.json") or {}
         tail = (self.work / "backend.log").read_text(errors="replace").strip().splitlines()[-1:]
         log(f"the backend does not answer ({tail}); starting it again")
-        self.export_env()
         t0 = time.time()
-        start_backend(self.deploy_cfg(ready_timeout_s=self.a.ready_timeout), rec["command"], self.work / "backend.json",
-                      rec["drafter"])  # fmt: skip
+        with self.exported_env():
+            start_backend(self.deploy_cfg(ready_timeout_s=self.a.ready_timeout), rec["command"],
+                          self.work / "backend.json", rec["drafter"])  # fmt: skip
         self.result.setdefault("backend_restarts", []).append({"log": tail, "seconds": round(time.time() - t0, 1)})
         self.save()
 
@@ -205,10 +206,10 @@ class Loop:
         if "backend_port" not in self.state:
             self.state["backend_port"] = free_port()
             cfg = self.deploy_cfg(ready_timeout_s=self.a.ready_timeout)
-            self.export_env()
             cmd = self.backend_command().format(drafter=drafter, port=self.state["backend_port"])
             t1 = time.time()
-            start_backend(cfg, cmd, Path(cfg.state), drafter)
+            with self.exported_env():
+                start_backend(cfg, cmd, Path(cfg.state), drafter)
             self.result["backend_start_s"] = round(time.time() - t1, 1)
             log(f"{self.a.backend} serves on {self.state['backend_port']} after {time.time() - t1:.0f} s")
             self.save()
@@ -331,11 +332,21 @@ class Loop:
         rows = [r for r in self.trace_rows if r["episode_id"] in self.heldout]
         return [r for r in rows if r["prompt_token_ids"] and r["completion_token_ids"]]
 
-    def export_env(self) -> None:
-        """What every backend this loop starts inherits (start_backend passes this process's environment on): the
-        checkout on PYTHONPATH and the admin key."""
+    @contextlib.contextmanager
+    def exported_env(self):
+        """While a backend is started: what it inherits (start_backend passes this process's environment on), the
+        checkout on PYTHONPATH and the admin key; the environment as it was afterwards."""
+        keep = {k: os.environ.get(k) for k in ("PYTHONPATH", "DSPINE_ADMIN_KEY")}
         os.environ["PYTHONPATH"] = self.env()["PYTHONPATH"]
         os.environ["DSPINE_ADMIN_KEY"] = self.state["admin_key"]
+        try:
+            yield
+        finally:
+            for k, v in keep.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def sglang_replay(self, name: str) -> dict:
         """The test rows' exact prompts through the backend at T = 0, as many tokens as each recorded completion
@@ -455,7 +466,6 @@ class Loop:
         self.ensure_backend()
         restart = self.backend_command()
         export = "sglang" if self.a.backend == "sglang" else ""
-        self.export_env()
         self.state["deploy_started"] = time.time()
         self.save()
         probe = ProxyClients(self.state, self.a.model, self.a.probe_clients)
@@ -465,7 +475,8 @@ class Loop:
             evaluation=str(self.work / "adapt.json"), restart=restart, export=export,
             ready_timeout_s=self.a.ready_timeout,
         )  # fmt: skip
-        entry = deploy(cfg)
+        with self.exported_env():
+            entry = deploy(cfg)
         seconds = time.time() - t0
         time.sleep(3)
         traffic = probe.stop()
@@ -508,7 +519,8 @@ class Loop:
         cfg = self.deploy_cfg(
             evaluation=str(fake), restart=restart, export=export, ready_timeout_s=self.a.ready_timeout
         )
-        entry = deploy(cfg)
+        with self.exported_env():
+            entry = deploy(cfg)
         serving = _read_json(self.work / "backend.json") or {}
         self.result["rollback"] = {
             "action": entry["action"],
