@@ -23,6 +23,7 @@ time after the prefill.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -34,9 +35,11 @@ import torch
 from dspine.checkpoint import load_drafter
 from dspine.drafters import builtin_drafter
 from dspine.engine import Engine
+from dspine.goodput import TreePolicy
 from dspine.io import atomic_write_text, json_text, md_table, provenance, update_summary
 from dspine.options import EngineOptions
 from dspine.sampling import SamplingParams
+from dspine.state import TreeProfile
 from dspine.suffix import SuffixConfig, SuffixCorpus
 from dspine.target import load_target
 
@@ -145,7 +148,13 @@ def build_engines(a, target, cfg: SuffixConfig, corpus: SuffixCorpus) -> dict:
     for skip in a.skip_drafter_tokens:  # the hybrids again, skipping the drafter from another suffix confidence
         for h, d in drafters.items():
             engines[f"{h}@skip{skip:g}"] = eng = EngineOptions(suffix=True).build(target, d)
-            eng.suffix = dataclasses.replace(eng.suffix, skip_drafter_tokens=skip)
+            eng.suffix = eng.tree_policy.cfg = dataclasses.replace(eng.suffix, skip_drafter_tokens=skip)
+    if a.goodput_variants:  # every suffix method again, its nodes chosen by goodput
+        for m in [m for m in engines if m != "ar" and not m.startswith("dspine")]:
+            eng = engines[f"{m}@goodput"] = copy.copy(engines[m])
+            eng.suffix = dataclasses.replace(eng.suffix, tree_goodput=True)
+            eng.tree_profile = TreeProfile(len(eng.tree_profile.offered))
+            eng.tree_policy = TreePolicy(eng.round_tree, eng.tree_profile, eng.suffix)
     for m in [m for m in engines if "hybrid" in m]:
         engines[m].corpus = corpus  # the corpus above (EngineOptions starts an empty one)
     if a.methods:
@@ -194,6 +203,14 @@ def main(argv=None) -> int:
         default=[],
         help="comma-separated: each adds the hybrids again as hybrid@skipN, whose drafter is skipped when the suffix "
         "draft expects N accepted tokens (the default hybrid: SuffixConfig.skip_drafter_tokens)",
+    )
+    ap.add_argument(
+        "--goodput-variants",
+        action="store_true",
+        help="adds every suffix method again as METHOD@goodput: its single request's rounds verify the suffix nodes "
+        "and the drafter's subtree that goodput picks, the drafter skipped where it does not pay (SuffixConfig."
+        "tree_goodput, goodput.TreePolicy; by default every node is verified, the drafter skipped by "
+        "skip_drafter_tokens)",
     )
     ap.add_argument(
         "--methods",

@@ -2,13 +2,14 @@
 
 Per row the state is: committed tokens; the target's KV cache holding every committed position but the last (the
 anchor, fed with the next block); the drafter's context K/V for the same positions; with suffix drafting, an index
-over the row's prompt and output (suffix.RequestSuffix). A round drafts — a chain of k drafts per row (the drafter's,
-or a row's suffix chain in its place), a tree for a single open request (the drafter's static tree with the suffix
-draft merged in, decoding.merge_drafts; the suffix draft alone when it is confident enough to skip the drafter), or
-nothing (an AR round) —, verifies [anchor, drafts] in one target forward (a tree under its tree mask), commits the
-accepted drafts plus the target's own next token, keeps the committed positions' cache entries and appends their
-target features to the drafter's context (lazily when the drafter did not run). Every committed token passes
-through one stop checker (EOS, max tokens, stop strings), so speculative and AR outputs end exactly alike.
+over the row's prompt and output (suffix.RequestSuffix). A round drafts — a chain of k drafts per row (the
+drafter's, or a row's suffix chain in its place), a tree for a single open request (the drafter's static tree with
+the suffix draft merged in, decoding.merge_drafts — with suffix drafts, the nodes of each and whether the drafter
+runs chosen by goodput.TreePolicy), or nothing (an AR round) —, verifies [anchor, drafts] in one target forward (a
+tree under its tree mask), commits the accepted drafts plus the target's own next token, keeps the committed
+positions' cache entries and appends their target features to the drafter's context (lazily when the drafter did not
+run). Every committed token passes through one stop checker (EOS, max tokens, stop strings), so speculative and AR
+outputs end exactly alike.
 
 The context window is decided once: a row whose next token would sit past the target's window ends with
 "length"; a round whose drafter slots would reach past it for any open row is an AR round — every request runs
@@ -56,6 +57,7 @@ class _Plan:
     drafter: bool = False
     suffix: list = field(default_factory=list)  # per row: a SuffixDraft, or None
     room: int = 0  # how deep a tree round's nodes may lie (the window)
+    expect: float = 0.0  # a tree round's expected accepted drafts (goodput.TreePolicy)
 
 
 @dataclass
@@ -70,8 +72,10 @@ class _Round:
     nodes: list[int] | None = None  # a tree round's node tokens
     q: list | None = None  # their proposals (None: deterministic)
     parents: list[int] | None = None
-    static: int = 0  # how many of the nodes are the drafter's static tree's (TreeProfile)
+    static: int = 0  # how many of the nodes are the drafter's (its subtree `tree` of the engine's round tree)
     drafted: bool = False  # the drafter ran this round
+    tree: DraftTree | None = None
+    expect: float = 0.0
 
 
 class BatchDecode:
@@ -204,7 +208,7 @@ class BatchDecode:
         if drafting:
             self.clock.lap("verify")
         if plan.mode == "tree":
-            self._commit_tree(rnd, logits, feats)
+            self._commit_tree(rnd, logits, feats, time.perf_counter() - t_round)
         else:
             self._commit_chain(rnd, logits, feats, plan.k, time.perf_counter() - t_round)
         self.clock.lap("commit" if drafting else "ar_step")  # acceptance test, cache, drafter context, stop checks
@@ -232,14 +236,15 @@ class BatchDecode:
         single = len(self) == 1 and self.counts is None and self.forced[0] is None
         if single and (engine.tree is not None or engine.suffix is not None):
             sd = self.suffix[0].draft() if engine.suffix is not None else None
-            static = engine.round_tree
-            run = static is not None and not (sd and sd.expected_tokens() >= engine.suffix.skip_drafter_tokens)
-            run = run and static.depth <= room  # the drafter's slots within the window
-            if not run and not sd:
+            can = engine.round_tree is not None and engine.round_tree.depth <= room  # the drafter's slots fit
+            tree, expect = (engine.round_tree if can else None), 0.0
+            if engine.tree_policy is not None:  # with suffix drafts: which nodes, and whether the drafter runs
+                tree, sd, expect = engine.tree_policy.plan(sd, can)
+            if tree is None and not sd:
                 return _Plan("ar")
-            if run:
+            if tree is not None:
                 self.ctx.project()  # columns waiting from earlier rounds: their cost is not this round's
-            return _Plan("tree", tree=static if run else None, drafter=run, suffix=[sd], room=room)
+            return _Plan("tree", tree=tree, drafter=tree is not None, suffix=[sd], room=room, expect=expect)
         k, suffix = 0, [None] * len(self)
         if engine.suffix is not None:
             suffix = [self.suffix[i].draft() if not self.finished[i] else None for i in range(len(self))]
@@ -300,7 +305,7 @@ class BatchDecode:
         depths = torch.tensor([0, *tree_depths(parents)], device=dev)
         feed = torch.tensor([[self.anchors[0], *nodes]], device=dev)
         return _Round(feed, self.committed[:, None] + depths[None], att, nodes=nodes, q=q, parents=parents,
-                      static=static, drafted=plan.drafter)  # fmt: skip
+                      static=static, drafted=plan.drafter, tree=plan.tree, expect=plan.expect)  # fmt: skip
 
     def _chain_round(self, plan: _Plan, out, anchor: torch.Tensor) -> _Round:
         """k drafts per row: the drafter's chain, or a row's suffix chain in its place (q certain of its tokens)."""
@@ -322,10 +327,11 @@ class BatchDecode:
         pos = self.committed[:, None] + torch.arange(k + 1, device=dev)
         return _Round(torch.cat([anchor, prop.tokens], 1), pos, att, prop=prop, drafted=plan.drafter)
 
-    def _commit_tree(self, rnd: _Round, logits: torch.Tensor, feats) -> None:
+    def _commit_tree(self, rnd: _Round, logits: torch.Tensor, feats, seconds: float) -> None:
         """A single row's tree round: the accepted path's cache entries kept behind the committed columns (the
-        rest dropped, in the cache and in the drafter's context), its tokens committed."""
-        nodes, tgt = rnd.nodes, self.engine.target
+        rest dropped, in the cache and in the drafter's context), its tokens committed; the drafter's nodes'
+        acceptance and the round's cost recorded."""
+        engine, nodes, tgt = self.engine, rnd.nodes, self.engine.target
         if self.params.greedy:
             path, nxt = verify_tree_greedy(nodes, rnd.parents, logits[0])
         else:
@@ -335,8 +341,12 @@ class BatchDecode:
         if self.ctx is not None:  # lazy when the drafter did not run: projected when it next does
             self.ctx.extend(feats[:, kept], rnd.pos[:, kept], lazy=not rnd.drafted)
         toks = [nodes[i] for i in path] + [nxt]
-        if rnd.drafted and rnd.static == len(self.engine.tree_profile.accepted):
-            self.engine.tree_profile.record([i for i in path if i < rnd.static])
+        if rnd.drafted:
+            offered = [engine.round_index[p] for p in rnd.tree.paths]
+            engine.tree_profile.record([offered[i] for i in path if i < rnd.static], offered)
+        if engine.tree_policy is not None:
+            shape = (len(nodes) + 1, rnd.drafted)
+            engine.tree_policy.record(rnd.drafted, rnd.expect, len(path), len(nodes) + 1, seconds, shape)
         self.valid = torch.cat([self.valid, self.valid.new_ones(1, len(toks))], 1)
         self.committed = self.committed + len(toks)
         self.stats[0].record(len(path))

@@ -227,19 +227,32 @@ class DraftTree:
         and EAGLE-2: expected accepted tokens per verified node)."""
         if len(rates) != len(self.paths) or nodes < 1:
             raise ValueError(f"prune: one rate per node ({len(self.paths)}) and nodes >= 1")
+        return DraftTree.of(self.greedy_order(rates)[:nodes])
+
+    def greedy_order(self, rates) -> list[tuple[int, ...]]:
+        """The nodes in the order `prune` takes them (each prefix is a subtree); nodes never accepted left out."""
         rate = dict(zip(self.paths, map(float, rates)))
-        kept: set = set()
-        while len(kept) < min(nodes, len(self.paths)):
+        kept: list = []
+        taken: set = set()
+        while len(kept) < len(self.paths):
             ready = [
                 p
                 for p in self.paths
-                if p not in kept and (len(p) == 1 or p[:-1] in kept) and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in kept)
+                if p not in taken
+                and (len(p) == 1 or p[:-1] in taken)
+                and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in taken)
             ]
             best = max(ready, key=lambda p: (rate[p], -len(p), [-r for r in p]), default=None)
             if best is None or rate[best] <= 0:  # a node never accepted only costs its verify row
                 break
-            kept.add(best)
-        return DraftTree(tuple(sorted(kept, key=lambda p: (len(p), p))))
+            kept.append(best)
+            taken.add(best)
+        return kept
+
+    @classmethod
+    def of(cls, paths) -> DraftTree:
+        """The tree of these rank paths (closed under parents), parents first."""
+        return cls(tuple(sorted(paths, key=lambda p: (len(p), p))))
 
     @cached_property
     def mask(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from dspine.decode import BatchDecode
 from dspine.decoding import DraftTree
 from dspine.drafter import DSpineDraftModel
-from dspine.goodput import DraftPolicy
+from dspine.goodput import DraftPolicy, TreePolicy
 from dspine.options import CPU_DRAFT_LEN, CPU_DRAFT_TREE, GPU_DRAFT_TREE, EngineOptions, default_draft_tree
 from dspine.sampling import RequestError, SamplingParams, sample, warp_probs
 from dspine.state import DraftContext, GenerationResult, TreeProfile
@@ -65,9 +65,9 @@ class Engine:
         verifying more rows) — on a CPU, where every verified row costs compute, a full batch drafts less.
         `suffix` (suffix.SuffixConfig): suffix drafts from the request's own prompt + output and from `corpus` (the
         deployment's past traffic, per workload) join every round: a single request's rounds merge them into the
-        drafter's tree (or verify them alone: without a drafter, or when their expected acceptance reaches
-        `skip_drafter_tokens`, the drafter's forward is skipped); a batched round gives a row the suffix's chain
-        instead of the drafter's where the suffix expects more."""
+        drafter's tree, the nodes verified and whether the drafter runs at all chosen by goodput from the rounds'
+        measured cost and acceptance (goodput.TreePolicy); a batched round gives a row the suffix's chain instead
+        of the drafter's where the suffix expects more."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.suffix, self.corpus = suffix, corpus
@@ -81,7 +81,6 @@ class Engine:
         if tree is not None:
             self.tree = DraftTree.for_drafter(tree, drafter.config if drafter is not None else None)
             draft_len = draft_len or self.tree.depth
-        self.tree_profile = TreeProfile(len(self.tree.paths) if self.tree is not None else 0)
         if draft_len is not None and not 1 <= draft_len <= B - 1:
             raise ValueError(f"draft_len must be in [1, {B - 1}] for this drafter (block size {B}), got {draft_len}")
         self.draft_len = draft_len or max(B - 1, 0)
@@ -97,6 +96,13 @@ class Engine:
         self.round_tree = self.tree
         if self.tree is None and suffix is not None and drafter is not None:
             self.round_tree = DraftTree.parse("0" * self.draft_len)
+        paths = self.round_tree.paths if self.round_tree is not None else ()
+        self.round_index = {p: i for i, p in enumerate(paths)}
+        self.tree_profile = TreeProfile(len(paths))
+        # with suffix drafts, which nodes a single request's round verifies (and whether the drafter runs), by goodput
+        self.tree_policy = None
+        if suffix is not None:
+            self.tree_policy = TreePolicy(self.round_tree, self.tree_profile, suffix)
         self.policy = DraftPolicy(self.draft_len) if goodput and drafter is not None else None
         self.max_positions = target.info.max_position_embeddings
 

@@ -1,5 +1,6 @@
-"""Each batched round's draft length, chosen by goodput — the tokens the open rows are expected to commit per
-second of the round (SmartSpec's criterion; vLLM's dynamic speculative decoding). Where verifying a row costs
+"""Each batched round's draft length, and a single request's tree when suffix drafts join it (TreePolicy), chosen
+by goodput — the tokens expected to be committed per second of the round (SmartSpec's criterion; vLLM's dynamic
+speculative decoding; the cost-aware trees of Sequoia and EAGLE-2). Where verifying a row costs
 almost nothing (one request, or a GPU far from its compute bound) the longest draft wins; where each verified row
 costs compute (a few CPU cores, a full batch) the policy drafts less, or not at all, for the rows it expects to
 reject.
@@ -22,12 +23,20 @@ the fixed-length rounds are.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from dspine.decoding import DraftTree
+    from dspine.state import TreeProfile
+    from dspine.suffix import SuffixConfig, SuffixDraft
 
 START_RATE = 0.7
 PRIOR = 4.0
 DECAY = 0.98
 RIDGE = 1.0
+KNOWN_ROUNDS = 8  # tree rounds fitted before their cost line is trusted
 
 
 class RowAcceptance:
@@ -45,25 +54,14 @@ class RowAcceptance:
             self.acc[m] += m < accepted
 
 
-class DraftPolicy:
-    """An engine's goodput choice of draft length in [0, max_len] for a batched round (module docstring)."""
+class CostLine:
+    """A round's seconds as a line a + b·r + c·s in the target rows it feeds (r) and whether the drafter ran (s),
+    least-squares fitted to measured rounds (module docstring)."""
 
-    def __init__(self, max_len: int):
-        if max_len < 1:
-            raise ValueError(f"max_len {max_len}: at least 1")
-        self.K = max_len
-        self.rows = RowAcceptance(max_len)  # all rows' counts, the prior of each one's
+    def __init__(self):
         self.gram = torch.zeros(3, 3, dtype=torch.float64)  # decayed sum of x x^T, x = (1, r, s)
         self.moment = torch.zeros(3, dtype=torch.float64)  # decayed sum of x * seconds
         self.shapes: set = set()  # round shapes seen (their first round is not fitted)
-
-    def new_row(self) -> RowAcceptance:
-        return RowAcceptance(self.K)
-
-    def record(self, row: RowAcceptance, drafted: int, accepted: int) -> None:
-        """Row `row` verified `drafted` drafts this round and accepted `accepted`."""
-        row.record(drafted, accepted)
-        self.rows.record(drafted, accepted)
 
     def observe(self, rows_fed: int, drafted: bool, seconds: float, shape=None) -> None:
         """A round's measured seconds, with the target rows it fed and whether it drafted; `shape` (any hashable,
@@ -87,6 +85,30 @@ class DraftPolicy:
         """The fitted seconds of a round feeding `rows_fed` target rows (0 before any round was measured)."""
         a, b, c = line or self.fit()
         return a + b * rows_fed + c * drafted
+
+    def spread(self, i: int) -> float:
+        """The (decayed) variance of feature i (1: rows fed, 2: drafted) over the fitted rounds."""
+        n = float(self.gram[0, 0])
+        return float(self.gram[i, i]) / n - (float(self.gram[0, i]) / n) ** 2 if n else 0.0
+
+
+class DraftPolicy(CostLine):
+    """An engine's goodput choice of draft length in [0, max_len] for a batched round (module docstring)."""
+
+    def __init__(self, max_len: int):
+        if max_len < 1:
+            raise ValueError(f"max_len {max_len}: at least 1")
+        super().__init__()
+        self.K = max_len
+        self.rows = RowAcceptance(max_len)  # all rows' counts, the prior of each one's
+
+    def new_row(self) -> RowAcceptance:
+        return RowAcceptance(self.K)
+
+    def record(self, row: RowAcceptance, drafted: int, accepted: int) -> None:
+        """Row `row` verified `drafted` drafts this round and accepted `accepted`."""
+        row.record(drafted, accepted)
+        self.rows.record(drafted, accepted)
 
     def rates(self, row: RowAcceptance) -> list[float]:
         """a_{i,m} for m = 1..K: the row's acceptance rate per slot, shrunk toward all rows'."""
@@ -118,9 +140,118 @@ class DraftPolicy:
             return 0
         if not self.gram[0, 0]:  # no round measured yet: draft all
             return self.K
-        n, mean = self.gram[0, 0], self.gram[0, 1] / self.gram[0, 0]
-        if self.gram[1, 1] / n - mean**2 < 1.0:  # every round fed about the same rows: measure another size first
+        if self.spread(1) < 1.0:  # every round fed about the same rows: measure another size first
+            mean = float(self.gram[0, 1] / self.gram[0, 0])
             return max(range(self.K + 1), key=lambda k: abs(batch * (k + 1) - mean))
         gains, line = self.expected(rows), self.fit()
         costs = [max(self.seconds(batch * (k + 1), k > 0, line), 1e-6) for k in range(self.K + 1)]
         return max(range(self.K + 1), key=lambda k: gains[k] / costs[k])
+
+
+class TreePolicy(CostLine):
+    """A single request's tree round when suffix drafts join it: which nodes of the drafter's static tree (a
+    subtree, `DraftTree.greedy_order` over their measured rates), which of the suffix draft's (best score first)
+    and whether the drafter runs at all — the choice with the most committed tokens expected per second of the
+    round, against the same cost line as the batched rounds fitted to the tree rounds.
+
+    Expected accepted drafts: at each depth j the chance that a kept node there is accepted — the suffix's
+    P_s(j), the sum of its nodes' scores at j (the fraction of the match's occurrences that continue through them;
+    siblings are exclusive), and the drafter's P_d(j), the sum of its nodes' measured rates (accepted per round
+    that verified the node, shrunk toward START_RATE^depth · 2^-rank) — taken as independent: E = Σ_j 1 - (1 -
+    P_s(j))(1 - P_d(j)). Nodes enter greedily by their gain in E (a suffix node at j adds score · (1 - P_d(j))), and
+    the prefix of that order with the best (1 + f·E) / seconds is verified; f, per plan kind (with or without the
+    drafter), is the accepted over the predicted drafts of that kind's past rounds, which absorbs how optimistic
+    the scores and the independence are. An AR round (nothing kept) is one of the choices.
+
+    Until the cost line is known (KNOWN_ROUNDS fitted, with different node counts), or always with
+    `tree_goodput` off (suffix.SuffixConfig), a round verifies everything: the drafter's whole tree unless the
+    suffix alone expects `skip_drafter_tokens` accepted, and the whole suffix draft.
+    The choice is made before the drafter runs, from counts of past rounds only: at T > 0 no draft's sample
+    decides which nodes are verified, so recursive rejection sampling stays exact."""
+
+    def __init__(self, tree: DraftTree | None, profile: TreeProfile | None, cfg: SuffixConfig):
+        super().__init__()
+        self.tree, self.profile, self.cfg = tree, profile, cfg
+        self.calib = {False: [0.0, 0.0], True: [0.0, 0.0]}  # drafted -> decayed (predicted, accepted) drafts
+        self.prior = [START_RATE ** len(p) * 0.5 ** sum(p) for p in tree.paths] if tree is not None else []
+
+    def rates(self) -> list[float]:
+        """The static tree's nodes' acceptance rates (per round that verified them), shrunk toward the prior."""
+        prof = self.profile
+        return [(a + PRIOR * p) / (o + PRIOR) for a, o, p in zip(prof.accepted, prof.offered, self.prior)]
+
+    def known(self) -> bool:
+        return float(self.gram[0, 0]) >= KNOWN_ROUNDS and self.spread(1) >= 1.0
+
+    def factor(self, drafted: bool) -> float:
+        pred, acc = self.calib[drafted]
+        return (acc + PRIOR) / (pred + PRIOR)
+
+    def plan(self, sd: SuffixDraft | None, can_draft: bool) -> tuple[DraftTree | None, SuffixDraft | None, float]:
+        """(the drafter's subtree to draft, or None: it does not run; the suffix nodes to verify; the expected
+        accepted drafts, uncalibrated) for this round."""
+        from dspine.decoding import DraftTree, tree_depths
+
+        sd = sd if sd else None
+        can_draft = can_draft and self.tree is not None
+        s_depth = tree_depths(sd.parents) if sd else []
+        s_order = sorted(range(len(sd)), key=lambda i: (-sd.scores[i], i)) if sd else []
+        rates = self.rates() if can_draft else []
+        rate = dict(zip(self.tree.paths, rates)) if can_draft else {}
+        d_order = self.tree.greedy_order(rates) if can_draft else []
+        if not self.cfg.tree_goodput or not self.known():
+            run = can_draft and not (sd and sd.expected_tokens() >= self.cfg.skip_drafter_tokens)
+            keep_d = d_order if run else []
+            e = _expected(s_order, s_depth, sd, keep_d, rate)
+            return (DraftTree.of(keep_d) if keep_d else None), sd, e
+        if self.spread(2) < 0.01 and sd and can_draft:  # rounds all alike in running the drafter: try the other
+            run = float(self.gram[0, 2] / self.gram[0, 0]) < 0.5
+            keep_d = d_order if run else []
+            return (DraftTree.of(keep_d) if keep_d else None), sd, _expected(s_order, s_depth, sd, keep_d, rate)
+        line = self.fit()
+        best = (1.0 / max(self.seconds(1, False, line), 1e-6), [], 0, 0.0)  # (goodput, drafter nodes, suffix n, E)
+        for drafted in (False, True) if can_draft and d_order else (False,):
+            f, ps, pd = self.factor(drafted), {}, {}
+            si, di, e, kept_d = 0, 0, 0.0, []
+            while si < len(s_order) or (drafted and di < len(d_order)):
+                gs = gd = -1.0
+                if si < len(s_order):
+                    j = s_depth[s_order[si]]
+                    gs = sd.scores[s_order[si]] * (1 - min(pd.get(j, 0.0), 1.0))
+                if drafted and di < len(d_order):
+                    p = d_order[di]
+                    gd = rate[p] * (1 - min(ps.get(len(p), 0.0), 1.0))
+                if gd > gs:
+                    p = d_order[di]
+                    pd[len(p)] = pd.get(len(p), 0.0) + rate[p]
+                    kept_d.append(p)
+                    di, e = di + 1, e + gd
+                else:
+                    j = s_depth[s_order[si]]
+                    ps[j] = ps.get(j, 0.0) + sd.scores[s_order[si]]
+                    si, e = si + 1, e + gs
+                if drafted and not kept_d:
+                    continue
+                good = (1 + f * e) / max(self.seconds(1 + si + di, drafted, line), 1e-6)
+                if good > best[0]:
+                    best = (good, list(kept_d), si, e)
+        _, keep_d, n_s, e = best
+        sub = sd.subset(s_order[:n_s]) if n_s else None
+        return (DraftTree.of(keep_d) if keep_d else None), sub, e
+
+    def record(self, drafted: bool, predicted: float, accepted: int, rows_fed: int, seconds: float, shape) -> None:
+        """A tree round's outcome: its predicted and accepted drafts, its cost."""
+        c = self.calib[drafted]
+        c[0], c[1] = c[0] * DECAY + predicted, c[1] * DECAY + accepted
+        self.observe(rows_fed, drafted, seconds, shape)
+
+
+def _expected(s_order, s_depth, sd, keep_d, rate) -> float:
+    """E = Σ_j 1 - (1 - P_s(j))(1 - P_d(j)) for the suffix nodes s_order and the drafter's nodes keep_d."""
+    ps: dict[int, float] = {}
+    pd: dict[int, float] = {}
+    for i in s_order:
+        ps[s_depth[i]] = ps.get(s_depth[i], 0.0) + sd.scores[i]
+    for p in keep_d:
+        pd[len(p)] = pd.get(len(p), 0.0) + rate[p]
+    return sum(1 - (1 - min(ps.get(j, 0.0), 1.0)) * (1 - min(pd.get(j, 0.0), 1.0)) for j in set(ps) | set(pd))

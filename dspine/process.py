@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 
-
 _GIVEN: set[int] = set()  # ports free_port handed out in this process
 _LOCK = threading.Lock()
 

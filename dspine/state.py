@@ -97,20 +97,23 @@ def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
 
 
 class TreeProfile:
-    """How often each node of the engine's draft tree was accepted, over its tree rounds (`DraftTree.prune`
-    turns the rates into a smaller tree)."""
+    """How often each node of the engine's draft tree was accepted, over the tree rounds that verified it
+    (`DraftTree.prune` turns the rates into a smaller tree)."""
 
     def __init__(self, nodes: int):
-        self.accepted, self.rounds = [0] * nodes, 0
+        self.accepted, self.offered, self.rounds = [0] * nodes, [0] * nodes, 0
 
-    def record(self, path: list[int]) -> None:
+    def record(self, path: list[int], offered: list[int] | None = None) -> None:
+        """A round verified nodes `offered` (default: all) and accepted `path` among them."""
         self.rounds += 1
+        for i in range(len(self.offered)) if offered is None else offered:
+            self.offered[i] += 1
         for i in path:
             self.accepted[i] += 1
 
     @property
     def rates(self) -> list[float]:
-        return [a / max(self.rounds, 1) for a in self.accepted]
+        return [a / max(o, 1) for a, o in zip(self.accepted, self.offered)]
 
 
 class DraftContext:

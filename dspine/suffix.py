@@ -46,6 +46,10 @@ class SuffixConfig:
     max_nodes: int = 24  # suffix nodes per round at most
     min_score: float = 0.1  # a node continued by a smaller fraction of the occurrences is not drafted
     skip_drafter_tokens: float = 4.0  # a suffix draft expecting this many accepted tokens runs without the drafter
+    # on: a single request's round verifies the nodes (and runs the drafter) that goodput picks (goodput.TreePolicy);
+    # off: every node, the drafter skipped only by skip_drafter_tokens (bench/results/agent_race_goodput.md: on this
+    # CPU the choice measured no faster, so it is off by default)
+    tree_goodput: bool = False
     corpus_tokens: int = 2_000_000  # the global corpus's budget per workload (oldest sequences evicted)
 
     def __post_init__(self):
@@ -81,6 +85,17 @@ class SuffixDraft:
                 return path
             at = max(kids, key=lambda i: self.scores[i])
             path.append(at)
+
+    def subset(self, keep: list[int]) -> SuffixDraft:
+        """The draft of nodes `keep` (each with its parent among them), in their order here."""
+        keep = sorted(keep)
+        at = {i: j for j, i in enumerate(keep)}
+        return SuffixDraft(
+            tokens=[self.tokens[i] for i in keep],
+            parents=[at[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
+            scores=[self.scores[i] for i in keep],
+            match=self.match,
+        )
 
     def expected_tokens(self) -> float:
         """Expected accepted drafts along the best chain (the sum of its nodes' acceptance estimates)."""

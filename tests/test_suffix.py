@@ -263,3 +263,96 @@ def test_bad_drafter_specs_and_corpora_are_one_clear_error(tmp_path, capsys):
     assert main(["generate", "--prompt", "Say hi.", "--max-tokens", "8", "--drafter", "suffix", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["method"] == "suffix" and out["completion_tokens"] > 0
+
+
+def _policy(line, tree="0000.1", accepted=(80, 60, 40, 20, 5)):
+    """A TreePolicy whose cost line was measured as seconds = a + b·rows + c·drafted (every shape seen twice: the
+    first of each is not fitted) and whose tree nodes were accepted `accepted` times in 100 rounds each."""
+    from dspine.goodput import TreePolicy
+    from dspine.state import TreeProfile
+
+    tree = DraftTree.parse(tree)
+    prof = TreeProfile(len(tree.paths))
+    prof.offered, prof.accepted = [100] * len(tree.paths), list(accepted)
+    pol = TreePolicy(tree, prof, SuffixConfig(tree_goodput=True))
+    a, b, c = line
+    for rows in range(1, 31, 3):
+        for drafted in (False, True):
+            for _ in range(2):
+                pol.observe(rows, drafted, a + b * rows + c * drafted)
+    return pol
+
+
+CHAIN = SuffixDraft(tokens=[1, 2, 3, 4, 5, 6], parents=[-1, 0, 1, 2, 3, 4], scores=[0.95, 0.9, 0.85, 0.3, 0.12, 0.11])
+
+
+def test_tree_policy_verifies_what_pays_for_its_rows():
+    """Nodes cost next to nothing: every suffix node and the drafter's whole tree. Rows cost: the low-scoring
+    suffix tail is left out, the likely head kept. A costly drafter beside a confident suffix: the drafter does not
+    run. Nothing likely and drafting costly: an AR round. Off (tree_goodput=False): everything, as before."""
+    import dataclasses
+
+    from dspine.goodput import KNOWN_ROUNDS
+
+    tree, sd, e = _policy((0.05, 1e-5, 1e-4)).plan(CHAIN, True)
+    assert len(sd) == 6 and tree is not None and len(tree.paths) == 5 and e > 3
+    tree, sd, _ = _policy((0.05, 0.01, 1e-4)).plan(CHAIN, True)
+    assert sd.tokens[:3] == [1, 2, 3] and len(sd) < 6 and sd.scores == sorted(sd.scores, reverse=True)
+    assert tree is None or len(tree.paths) < 5  # the drafter's rare nodes go too
+    tree, sd, _ = _policy((0.05, 0.001, 0.2)).plan(CHAIN, True)
+    assert tree is None and len(sd) >= 3
+    assert _policy((0.05, 0.01, 0.2), accepted=(5, 1, 1, 0, 0)).plan(None, True) == (None, None, 0.0)
+    assert _policy((0.05, 0.01, 0.2)).plan(CHAIN, False)[0] is None  # the drafter's slots do not fit
+    off = _policy((0.05, 0.01, 0.2))
+    off.cfg = dataclasses.replace(off.cfg, tree_goodput=False)
+    tree, sd, _ = off.plan(CHAIN, True)
+    assert len(sd) == 6 and len(tree.paths) == 5  # the suffix expects 3.23 accepted, below skip_drafter_tokens
+    from dspine.goodput import TreePolicy
+    from dspine.state import TreeProfile
+
+    fresh = TreePolicy(DraftTree.parse("00"), TreeProfile(2), SuffixConfig(tree_goodput=True))
+    assert float(fresh.gram[0, 0]) < KNOWN_ROUNDS and len(fresh.plan(CHAIN, True)[0].paths) == 2  # unknown: all
+
+
+def test_greedy_order_prefixes_are_subtrees():
+    tree = DraftTree.parse("000.01.1.10.2")
+    rates = [0.9, 0.3, 0.1, 0.6, 0.5, 0.2, 0.25, 0.05][: len(tree.paths)]
+    order = tree.greedy_order(rates)
+    for n in range(1, len(order) + 1):
+        kept = set(order[:n])
+        for p in kept:
+            assert len(p) == 1 or p[:-1] in kept  # below its parent
+            assert p[-1] == 0 or p[:-1] + (p[-1] - 1,) in kept  # after its next-better sibling
+    assert tree.prune(rates, 3).paths == DraftTree.of(order[:3]).paths
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_hybrid_rounds_sized_by_goodput_equal_ar(arch):
+    """With the cost line measured so that rows cost (the policy leaves nodes out and runs some rounds without the
+    drafter), single requests still decode exactly AR's tokens; the profile counts only the nodes verified."""
+    import dataclasses
+
+    target = tiny_target(arch)
+    prompts = _looping_prompts(target)
+    drafter = brief_train(
+        DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2), target, [(p, 6) for p in prompts], 20
+    )
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = [Engine(target).generate(p, greedy).token_ids for p in prompts]
+    cfg = dataclasses.replace(CFG, tree_goodput=True)
+    eng = Engine(target, drafter, tree="000.1", suffix=cfg, corpus=SuffixCorpus(cfg))
+    eng.corpus.add(want[0])
+    pol = eng.tree_policy
+    for rows in range(1, 20, 2):  # rows cost a tenth of a round each; the drafter half a round
+        for drafted in (False, True):
+            for _ in range(2):
+                pol.observe(rows, drafted, 0.01 + 0.001 * rows + 0.005 * drafted)
+    plans, offered = [], []
+    real = pol.plan
+    pol.plan = lambda sd, can: offered.append(len(sd) if sd else 0) or plans.append(real(sd, can)) or plans[-1]
+    pol.observe = lambda *a, **k: None  # keep the measured line (this machine's timings would replace it)
+    got = [eng.generate(p, greedy).token_ids for p in prompts]
+    assert got == want
+    assert any(t is None for t, sd, _ in plans if sd) and any(t is not None for t, _, _ in plans)  # both kinds
+    assert any(len(sd or ()) < n for (_, sd, _), n in zip(plans, offered))  # suffix nodes left out
+    assert eng.tree_profile.rounds == sum(t is not None for t, _, _ in plans)
