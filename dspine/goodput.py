@@ -190,24 +190,26 @@ class TreePolicy(CostLine):
     def plan(self, sd: SuffixDraft | None, can_draft: bool) -> tuple[DraftTree | None, SuffixDraft | None, float]:
         """(the drafter's subtree to draft, or None: it does not run; the suffix nodes to verify; the expected
         accepted drafts, uncalibrated) for this round."""
-        from dspine.decoding import DraftTree, tree_depths
+        from dspine.decoding import tree_depths
 
         sd = sd if sd else None
         can_draft = can_draft and self.tree is not None
+        if not self.cfg.tree_goodput:  # every node; the drafter skipped only by the suffix's confidence
+            run = can_draft and not (sd and sd.expected_tokens() >= self.cfg.skip_drafter_tokens)
+            return (self.tree if run else None), sd, 0.0
         s_depth = tree_depths(sd.parents) if sd else []
         s_order = sorted(range(len(sd)), key=lambda i: (-sd.scores[i], i)) if sd else []
         rates = self.rates() if can_draft else []
         rate = dict(zip(self.tree.paths, rates)) if can_draft else {}
         d_order = self.tree.greedy_order(rates) if can_draft else []
-        if not self.cfg.tree_goodput or not self.known():
+        if not self.known():
             run = can_draft and not (sd and sd.expected_tokens() >= self.cfg.skip_drafter_tokens)
             keep_d = d_order if run else []
-            e = _expected(s_order, s_depth, sd, keep_d, rate)
-            return (DraftTree.of(keep_d) if keep_d else None), sd, e
+            return self._subtree(keep_d), sd, _expected(s_order, s_depth, sd, keep_d, rate)
         if self.spread(2) < 0.01 and sd and can_draft:  # rounds all alike in running the drafter: try the other
             run = float(self.gram[0, 2] / self.gram[0, 0]) < 0.5
             keep_d = d_order if run else []
-            return (DraftTree.of(keep_d) if keep_d else None), sd, _expected(s_order, s_depth, sd, keep_d, rate)
+            return self._subtree(keep_d), sd, _expected(s_order, s_depth, sd, keep_d, rate)
         line = self.fit()
         best = (1.0 / max(self.seconds(1, False, line), 1e-6), [], 0, 0.0)  # (goodput, drafter nodes, suffix n, E)
         for drafted in (False, True) if can_draft and d_order else (False,):
@@ -236,11 +238,20 @@ class TreePolicy(CostLine):
                 if good > best[0]:
                     best = (good, list(kept_d), si, e)
         _, keep_d, n_s, e = best
-        sub = sd.subset(s_order[:n_s]) if n_s else None
-        return (DraftTree.of(keep_d) if keep_d else None), sub, e
+        return self._subtree(keep_d), (sd.subset(s_order[:n_s]) if n_s else None), e
+
+    def _subtree(self, paths: list) -> DraftTree | None:
+        """The drafter's tree of these nodes (the engine's own when all of them; None when none)."""
+        from dspine.decoding import DraftTree
+
+        if not paths:
+            return None
+        return self.tree if len(paths) == len(self.tree.paths) else DraftTree.of(paths)
 
     def record(self, drafted: bool, predicted: float, accepted: int, rows_fed: int, seconds: float, shape) -> None:
-        """A tree round's outcome: its predicted and accepted drafts, its cost."""
+        """A tree round's outcome: its predicted and accepted drafts, its cost (nothing kept while off)."""
+        if not self.cfg.tree_goodput:
+            return
         c = self.calib[drafted]
         c[0], c[1] = c[0] * DECAY + predicted, c[1] * DECAY + accepted
         self.observe(rows_fed, drafted, seconds, shape)
