@@ -4,12 +4,12 @@ Per row the state is: committed tokens; the target's KV cache holding every comm
 anchor, fed with the next block); the drafter's context K/V for the same positions; with suffix drafting, an index
 over the row's prompt and output (suffix.RequestSuffix). A round drafts — a chain of k drafts per row (the
 drafter's, or a row's suffix chain in its place), a tree for a single open request (the drafter's static tree with
-the suffix draft merged in, decoding.merge_drafts — with suffix drafts, the nodes of each and whether the drafter
-runs chosen by goodput.TreePolicy), or nothing (an AR round) —, verifies [anchor, drafts] in one target forward (a
-tree under its tree mask), commits the accepted drafts plus the target's own next token, keeps the committed
-positions' cache entries and appends their target features to the drafter's context (lazily when the drafter did not
-run). Every committed token passes through one stop checker (EOS, max tokens, stop strings), so speculative and AR
-outputs end exactly alike.
+the suffix draft merged in, decoding.merge_drafts; goodput.TreePolicy says whether the drafter runs and, with
+`tree_goodput`, which nodes of each are verified), or nothing (an AR round) —, verifies [anchor, drafts] in one
+target forward (a tree under its tree mask), commits the accepted drafts plus the target's own next token, keeps the
+committed positions' cache entries and appends their target features to the drafter's context (lazily when the
+drafter did not run). Every committed token passes through one stop checker (EOS, max tokens, stop strings), so
+speculative and AR outputs end exactly alike.
 
 The context window is decided once: a row whose next token would sit past the target's window ends with
 "length"; a round whose drafter slots would reach past it for any open row is an AR round — every request runs

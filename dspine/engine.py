@@ -65,9 +65,10 @@ class Engine:
         verifying more rows) — on a CPU, where every verified row costs compute, a full batch drafts less.
         `suffix` (suffix.SuffixConfig): suffix drafts from the request's own prompt + output and from `corpus` (the
         deployment's past traffic, per workload) join every round: a single request's rounds merge them into the
-        drafter's tree, the nodes verified and whether the drafter runs at all chosen by goodput from the rounds'
-        measured cost and acceptance (goodput.TreePolicy); a batched round gives a row the suffix's chain instead
-        of the drafter's where the suffix expects more."""
+        drafter's tree (every node; the drafter's forward skipped when the suffix expects `skip_drafter_tokens`
+        accepted — or, with `tree_goodput`, the nodes and whether the drafter runs chosen by goodput from the
+        rounds' measured cost and acceptance, goodput.TreePolicy); a batched round gives a row the suffix's chain
+        instead of the drafter's where the suffix expects more."""
         self.target = target
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.suffix, self.corpus = suffix, corpus
