@@ -227,14 +227,16 @@ def stop_backend(state: dict, timeout: float = 60, child: bool = False) -> None:
 
 
 def start_backend(cfg: DeployConfig, command: str, state_path: Path, drafter: str) -> dict:
-    """Start `command` detached (its own session, log beside the state), record it, wait until /v1/models
-    answers -> the state; a process that exits or stays silent past ready_timeout_s is stopped (DeployError)."""
+    """Start `command` detached (its own session, log beside the state; the config's keys in its environment),
+    record it, wait until /v1/models answers -> the state; a process that exits or stays silent past
+    ready_timeout_s is stopped (DeployError)."""
     from dspine.io import atomic_write_text
     from dspine.process import process_identity, wait_http
 
     log = state_path.with_name(state_path.stem + ".log")
     with open(log, "ab") as out:
-        env = {**os.environ, **({"DSPINE_READ_KEY": cfg.read_key} if cfg.read_key else {})}  # never in the command
+        keys = {"DSPINE_READ_KEY": cfg.read_key, "DSPINE_ADMIN_KEY": cfg.admin_key}
+        env = {**os.environ, **{k: v for k, v in keys.items() if v}}  # never in the command
         proc = subprocess.Popen(
             shlex.split(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )

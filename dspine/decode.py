@@ -341,9 +341,13 @@ class BatchDecode:
         if self.ctx is not None:  # lazy when the drafter did not run: projected when it next does
             self.ctx.extend(feats[:, kept], rnd.pos[:, kept], lazy=not rnd.drafted)
         toks = [nodes[i] for i in path] + [nxt]
-        if rnd.drafted:
-            offered = [engine.round_index[p] for p in rnd.tree.paths]
-            engine.tree_profile.record([offered[i] for i in path if i < rnd.static], offered)
+        if rnd.drafted:  # the drafter's nodes: by their index in the engine's tree (all of it, or a subtree)
+            mine = [i for i in path if i < rnd.static]
+            if rnd.tree is engine.round_tree:
+                engine.tree_profile.record(mine)
+            else:
+                offered = [engine.round_index[p] for p in rnd.tree.paths]
+                engine.tree_profile.record([offered[i] for i in mine], offered)
         if engine.tree_policy is not None:
             shape = (len(nodes) + 1, rnd.drafted)
             engine.tree_policy.record(rnd.drafted, rnd.expect, len(path), len(nodes) + 1, seconds, shape)

@@ -34,7 +34,6 @@ orchestration, restarted the same way.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -161,9 +160,8 @@ class Loop:
         tail = (self.work / "backend.log").read_text(errors="replace").strip().splitlines()[-1:]
         log(f"the backend does not answer ({tail}); starting it again")
         t0 = time.time()
-        with self.exported_env():
-            start_backend(self.deploy_cfg(ready_timeout_s=self.a.ready_timeout), rec["command"],
-                          self.work / "backend.json", rec["drafter"])  # fmt: skip
+        start_backend(self.deploy_cfg(ready_timeout_s=self.a.ready_timeout), rec["command"], self.work / "backend.json",
+                      rec["drafter"])  # fmt: skip
         self.result.setdefault("backend_restarts", []).append({"log": tail, "seconds": round(time.time() - t0, 1)})
         self.save()
 
@@ -208,8 +206,7 @@ class Loop:
             cfg = self.deploy_cfg(ready_timeout_s=self.a.ready_timeout)
             cmd = self.backend_command().format(drafter=drafter, port=self.state["backend_port"])
             t1 = time.time()
-            with self.exported_env():
-                start_backend(cfg, cmd, Path(cfg.state), drafter)
+            start_backend(cfg, cmd, Path(cfg.state), drafter)
             self.result["backend_start_s"] = round(time.time() - t1, 1)
             log(f"{self.a.backend} serves on {self.state['backend_port']} after {time.time() - t1:.0f} s")
             self.save()
@@ -331,22 +328,6 @@ class Loop:
         """The fine-tune's test rows with their ids: prompt and completion ids, workload, level."""
         rows = [r for r in self.trace_rows if r["episode_id"] in self.heldout]
         return [r for r in rows if r["prompt_token_ids"] and r["completion_token_ids"]]
-
-    @contextlib.contextmanager
-    def exported_env(self):
-        """While a backend is started: what it inherits (start_backend passes this process's environment on), the
-        checkout on PYTHONPATH and the admin key; the environment as it was afterwards."""
-        keep = {k: os.environ.get(k) for k in ("PYTHONPATH", "DSPINE_ADMIN_KEY")}
-        os.environ["PYTHONPATH"] = self.env()["PYTHONPATH"]
-        os.environ["DSPINE_ADMIN_KEY"] = self.state["admin_key"]
-        try:
-            yield
-        finally:
-            for k, v in keep.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     def sglang_replay(self, name: str) -> dict:
         """The test rows' exact prompts through the backend at T = 0, as many tokens as each recorded completion
@@ -475,8 +456,7 @@ class Loop:
             evaluation=str(self.work / "adapt.json"), restart=restart, export=export,
             ready_timeout_s=self.a.ready_timeout,
         )  # fmt: skip
-        with self.exported_env():
-            entry = deploy(cfg)
+        entry = deploy(cfg)
         seconds = time.time() - t0
         time.sleep(3)
         traffic = probe.stop()
@@ -519,8 +499,7 @@ class Loop:
         cfg = self.deploy_cfg(
             evaluation=str(fake), restart=restart, export=export, ready_timeout_s=self.a.ready_timeout
         )
-        with self.exported_env():
-            entry = deploy(cfg)
+        entry = deploy(cfg)
         serving = _read_json(self.work / "backend.json") or {}
         self.result["rollback"] = {
             "action": entry["action"],
@@ -952,6 +931,9 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    # every backend, proxy and job this script starts imports dspine from this checkout (start_backend and deploy
+    # pass this process's environment on; the keys go through their configs)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     loop = Loop(a)
     stages = list(STAGES) if a.stage == "all" else [a.stage]
     try:
