@@ -7,7 +7,7 @@
 # then remove; restore after) so a call's tree + carry stays under 64 MiB. Then, back to back (the machine goes
 # back 30 s after a call; /tmp survives while it is warm):
 #   1 carry .carry/sgl1, 2 carry .carry/sgl2:  mkdir -p /tmp/sglwhl && cp .carry/sglK/*.whl /tmp/sglwhl/
-#   3.. carry .carry/sgl3 + .carry/tok, DSPINE_GIT_SHA exported:
+#   3.. carry the last .carry/sglN (it holds `install`) + .carry/tok, DSPINE_GIT_SHA exported:
 #   bash bench/experiments/sglang_scale_gpu.sh pre                 GPU kernel tests + bench/kernels.py at 4096 (VOCAB=151936: Qwen3's head) (-> /tmp/scale)
 #   bash bench/experiments/sglang_scale_gpu.sh SHAPE LIMIT ARGS..  bench/experiments/sglang_scale.py --shape SHAPE under LIMIT seconds, the
 #                                                      ARGS added (e.g. --taus 2,3,4.8 --group 3 --profile 2 --out
@@ -25,6 +25,7 @@ if [ "${1:-}" = tok ]; then
   rm -rf .carry/tok && mkdir -p .carry/tok
   if [ "${2:-}" = qwen3 ]; then  # Qwen3's real tokenizer: the shapes get its 151,936-row head (shape_scale.tokenizer_rows)
     cp ../shared/data/qwen3_tokenizer/tokenizer.json ../shared/data/qwen3_tokenizer/tokenizer_config.json .carry/tok/
+    gzip -9 .carry/tok/tokenizer.json  # 11 MB -> 2.5: it fits beside the last SGLang folder (unpacked there)
   else
     tgt=$(python3 -c "from dspine.target import DEFAULT_TARGET, resolve_target_path; print(resolve_target_path(DEFAULT_TARGET))")
     for f in "$tgt"/tokenizer* "$tgt"/special_tokens* "$tgt"/vocab* "$tgt"/merges* "$tgt"/chat_template* "$tgt"/config.json; do
@@ -62,7 +63,9 @@ for i in range(len(sizes) + 1):
   exit 0
 fi
 if [ ! -f /tmp/site/.ok ]; then
-  bash .carry/sgl3/install && touch /tmp/site/.ok || exit 1
+  inst=$(ls .carry/sgl*/install 2> /dev/null | tail -1)  # the last SGLang folder (device-carry-sglang's split varies)
+  [ -n "$inst" ] || { echo "no .carry/sglN/install came along: carry the last SGLang folder in this call" >&2; exit 3; }
+  bash "$inst" && touch /tmp/site/.ok || exit 1
 fi
 so=/tmp/site/sgl_kernel/flash_ops.abi3.so
 if [ -f /tmp/fa3/flash_ops.sha256 ] && [ ! -f $so ]; then
@@ -80,6 +83,10 @@ zstandard.ZstdDecompressor(max_window_size=2**27).copy_stream(sys.stdin.buffer, 
     exit 3
   fi
 fi
+TOK=.carry/tok
+if [ -f .carry/tok/tokenizer.json.gz ]; then
+  mkdir -p /tmp/tok && cp .carry/tok/* /tmp/tok/ && gunzip -f /tmp/tok/tokenizer.json.gz && TOK=/tmp/tok
+fi
 D=/tmp/site/dspine_entry-0.1.dist-info
 mkdir -p $D /tmp/scale "$OUT"
 printf 'Metadata-Version: 2.1\nName: dspine-entry\nVersion: 0.1\n' > $D/METADATA
@@ -94,11 +101,11 @@ fi
 shape=$1
 limit=$2
 shift 2
-K=.carry/tok/kernels_$shape.json
+K=$TOK/kernels_$shape.json
 [ -f /tmp/scale/kernels_$shape.json ] && K=/tmp/scale/kernels_$shape.json
 export PYTHONPATH=/tmp/site:$PWD
 [ -f /tmp/scale/summary.json ] || cp bench/results/summary.json /tmp/scale/summary.json
-timeout "$limit" python3 bench/experiments/sglang_scale.py --shape "$shape" --tokenizer .carry/tok --work /tmp/scale \
+timeout "$limit" python3 bench/experiments/sglang_scale.py --shape "$shape" --tokenizer $TOK --work /tmp/scale \
   --no-progress --kernels "$K" --summary /tmp/scale/summary.json "$@"
 echo "bench rc=$?"
 mkdir -p "$OUT"/logs
