@@ -153,3 +153,22 @@ def test_a_backend_that_died_is_started_again_on_its_port(tmp_path):
         assert len(loop.result["backend_restarts"]) == 1
     finally:
         stop_backend(json.loads((work / "backend.json").read_text()))
+
+
+def test_finetune_settings_replace_the_recipe_and_malformed_ones_are_refused(tmp_path, monkeypatch):
+    a = gpu_loop.parse(["adapt", "--work", str(tmp_path), "--finetune-set", "train.max_len=4096"])
+    loop = gpu_loop.Loop(a)
+    loop.state["base_drafter"] = "x"
+    seen = {}
+
+    def job(args, name):
+        seen["args"] = args
+        return 1  # a failed fine-tune: the stage stops before the evaluation
+
+    monkeypatch.setattr(loop, "ray_job", job)
+    with pytest.raises(SystemExit):
+        loop.adapt()
+    assert "train.max_len=4096" in seen["args"] and "train.max_len=2048" not in seen["args"]
+    assert "train.lr=0.0001" in seen["args"]
+    with pytest.raises(SystemExit):
+        gpu_loop.parse(["adapt", "--finetune-set", "train.max_len"])

@@ -270,9 +270,12 @@ class Loop:
         args = ["adapt/finetune.py", "--traces", str(self.work / "traces"), "--out", str(ft)]
         workers = "1" if self.a.executor == "ray" else "0"  # 0: in the job's own process, without Ray Train
         args += ["--base", self.a.drafter, "--target", self.a.target, "--workers", workers, "--device", self.a.device]
-        args += [f"train.time_budget_s={self.a.train_s}", "train.steps=100000", "train.batch_size=8"]
-        args += ["train.max_len=2048", "train.anchors_per_seq=64", "train.eval_every=50", "train.warmup_steps=20"]
-        args += ["per=all", "mode=full", "train.lr=1e-4", "blend_choices=[0.5,0.7,1.0]"]
+        recipe = {"train.time_budget_s": self.a.train_s, "train.steps": 100000, "train.batch_size": 8}
+        recipe |= {"train.max_len": 2048, "train.anchors_per_seq": 64, "train.eval_every": 50}
+        recipe |= {"train.warmup_steps": 20, "per": "all", "mode": "full", "train.lr": 1e-4}
+        recipe |= {"blend_choices": "[0.5,0.7,1.0]"}
+        recipe |= dict(kv.split("=", 1) for kv in self.a.finetune_set)  # --finetune-set replaces a setting
+        args += [f"{k}={v}" for k, v in recipe.items()]
         t0 = time.time()
         rc = self.ray_job(args, "finetune")
         doc = _read_json(ft / "finetune.json") or {}
@@ -908,6 +911,13 @@ def parse(argv=None) -> argparse.Namespace:
         help="ray: collection and fine-tune as Ray jobs on our head; local: the same scripts without Ray",
     )
     p.add_argument("--train-s", type=float, default=100.0, help="the fine-tune's time budget")
+    p.add_argument(
+        "--finetune-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an adapt/finetune.py setting (repeatable) replacing the recipe's, e.g. train.max_len=4096",
+    )
     p.add_argument("--general-limit", type=int, default=3, help="the gate's general benchmarks: items each")
     p.add_argument("--general-workers", type=int, default=4)
     p.add_argument(
@@ -926,7 +936,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dflash", help="race: a DFlash drafter (SGLang export) for the target, if one exists")
     p.add_argument("--out", help="JSON written by report (a .md beside it)")
     p.add_argument("--summary", help="summary.json whose gpu_loop section report rewrites")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    bad = [kv for kv in a.eval_set + a.finetune_set if "=" not in kv]
+    if bad:
+        p.error(f"--eval-set / --finetune-set take KEY=VALUE, not {bad[0]!r}")
+    return a
 
 
 def main(argv=None) -> int:
