@@ -76,6 +76,13 @@ class FinetuneConfig:
     # how validation picks the blend: "replay" (pooled τ of the validation rows replayed through the engine from
     # their exact prefixes, as the test is measured) or "tau_sim" (the training loss's simulated acceptance)
     select_by: str = "replay"
+    # the blend's general check (select_by=replay): only blend_choices whose general τ — the target's greedy answers
+    # to the last `general_validation` items of each gate benchmark (never the gate's own first items), replayed —
+    # is at most `max_general_regression` below the base's may be picked; none may: the least regressing one.
+    # 0: the agent validation rows alone decide (they favour 1.0, and the gate then refuses on the general τ)
+    general_validation: int = 0
+    max_general_regression: float = 0.02
+    general_max_new_tokens: int = 128
     workers: int = 1  # Ray Train workers; 0: in this process, without Ray
     report_every_s: float = 0.0  # > 0: a Ray checkpoint every so many seconds of training
     max_failures: int = 1  # Ray Train restarts of the worker group, each from the last reported checkpoint
@@ -96,6 +103,10 @@ class FinetuneConfig:
             raise ConfigError("heldout_fraction + validation_fraction must leave tasks to train on (< 1)")
         if self.select_by not in ("replay", "tau_sim"):
             raise ConfigError(f"select_by {self.select_by!r}: replay or tau_sim")
+        if self.general_validation < 0 or self.general_max_new_tokens < 1 or not 0 <= self.max_general_regression < 1:
+            raise ConfigError("general_validation >= 0, general_max_new_tokens >= 1, max_general_regression in [0, 1)")
+        if self.general_validation and self.select_by != "replay":
+            raise ConfigError("general_validation checks blends by replay: it needs select_by=replay")
         if not all(0 < b <= 1 for b in [self.blend, *self.blend_choices]):
             raise ConfigError(f"blend {self.blend}, blend_choices {self.blend_choices}: in (0, 1] (1: as trained)")
         if self.mix_fraction and not self.mix:
@@ -352,23 +363,71 @@ def choose_blend(
         from dspine.train.losses import evaluate_tau_sims
 
         scores = evaluate_tau_sims(cands, target, validation, cfg.train)
-    best = max(cfg.blend_choices, key=lambda a: (scores[str(a)], a))
-    return best, {k: round(v, 4) for k, v in scores.items()}
+    allowed, report = list(cfg.blend_choices), {k: round(v, 4) for k, v in scores.items()}
+    if cfg.general_validation and base_state is not None:
+        base = copy.deepcopy(drafter)
+        base.load_state_dict(base_state)
+        grows, groups = general_validation_rows(target, cfg.general_validation, cfg.general_max_new_tokens)
+        general = replay_taus(target, {"base": base, **cands}, grows, groups=groups)
+        regression = {a: 1 - general[str(a)] / general["base"] for a in cfg.blend_choices}
+        allowed = allowed_blends(regression, cfg.max_general_regression)
+        report = {
+            "agent": report,
+            "general": {k: round(v, 4) for k, v in general.items()},
+            "general_regression": {str(a): round(r, 4) for a, r in regression.items()},
+            "allowed": [str(a) for a in allowed],
+            "general_rows": len(grows),
+        }
+    best = max(allowed, key=lambda a: (scores[str(a)], a))
+    return best, report
 
 
-def replay_taus(target, drafters: dict, rows: list, batch_size: int = 16) -> dict[str, float]:
+def allowed_blends(regression: dict[float, float], limit: float) -> list[float]:
+    """The blends whose general regression is at most `limit`; when none is, the least regressing one alone
+    (ties: the less blended toward the adapted weights, i.e. the smaller alpha)."""
+    ok = [a for a, r in regression.items() if r <= limit]
+    return ok or [min(regression, key=lambda a: (regression[a], a))]
+
+
+def general_validation_rows(target, n: int, max_new_tokens: int) -> tuple[list, list[str]]:
+    """The general validation rows: each gate benchmark's last `n` items (adapt/evaluate.py gates on the first
+    ones), their first turns rendered by the target's chat template, and the target's greedy answer, decoded in
+    one batch -> ([(prompt ids, answer ids)], [benchmark of each row])."""
+    from dspine.adapt.evaluation import BENCHMARKS
+    from dspine.engine import Engine, generate_batch
+    from dspine.sampling import SamplingParams
+    from dspine.target import chat_template_ids
+    from dspine.workloads import load_benchmark
+
+    prompts, groups = [], []
+    for b in BENCHMARKS:
+        for it in load_benchmark(b)[-n:]:
+            prompts.append(chat_template_ids(target.tokenizer, [{"role": "user", "content": it.turns[0]}]))
+            groups.append(b)
+    res = generate_batch(Engine(target, None), prompts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+    return [(p, list(r.token_ids)) for p, r in zip(prompts, res)], groups
+
+
+def replay_taus(
+    target, drafters: dict, rows: list, batch_size: int = 16, groups: list[str] | None = None
+) -> dict[str, float]:
     """Each drafter's pooled τ over `rows` (prompt ids, completion ids), replayed through the engine from the
-    exact prefixes (dspine.eval.acceptance.replay, as adapt/evaluate.py measures the test part)."""
+    exact prefixes (dspine.eval.acceptance.replay, as adapt/evaluate.py measures the test part); with `groups`
+    (one label per row) the mean over groups of each group's pooled τ, as the gate averages its benchmarks."""
     from dspine.eval.acceptance import replay
     from dspine.stats import AcceptanceStats
 
+    labels = groups or [""] * len(rows)
     jobs = [(n, list(p), list(c)) for p, c in rows for n in drafters]
     res = replay(target, drafters, jobs, progress=False, batch_size=batch_size)
     pooled: dict = {}
-    for (n, _, _), r in zip(jobs, res):
-        st = AcceptanceStats(r["block_size"], r["accept_hist"])
-        pooled[n] = st if n not in pooled else pooled[n].merge(st)
-    return {n: st.tau for n, st in pooled.items()}
+    for k, ((n, _, _), r) in enumerate(zip(jobs, res)):
+        st, key = AcceptanceStats(r["block_size"], r["accept_hist"]), (n, labels[k // len(drafters)])
+        pooled[key] = st if key not in pooled else pooled[key].merge(st)
+    out: dict = {}
+    for (n, _), st in pooled.items():
+        out.setdefault(n, []).append(st.tau)
+    return {n: sum(v) / len(v) for n, v in out.items()}
 
 
 def _ray_worker(conf: dict) -> None:

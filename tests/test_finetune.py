@@ -192,6 +192,51 @@ def test_validation_picks_the_blend_by_replaying_its_rows(setup, smollm2, smollm
         _cfg(setup, name="x", select_by="loss").validate()
 
 
+def test_the_general_check_keeps_a_regressing_blend_from_being_picked(setup, smollm2, smollm2_pairs):
+    """general_validation: the blends are also replayed on the target's greedy answers to the gate benchmarks'
+    last items; one that regresses more than max_general_regression below the base is never picked, however the
+    agent rows score it, and when every one does the least regressing is kept."""
+    from dspine.adapt.evaluation import BENCHMARKS
+    from dspine.adapt.finetuning import allowed_blends, choose_blend, general_validation_rows
+    from dspine.checkpoint import resolve_drafter
+    from dspine.engine import Engine
+    from dspine.sampling import SamplingParams
+    from dspine.target import chat_template_ids
+    from dspine.workloads import load_benchmark
+
+    assert allowed_blends({0.5: 0.01, 1.0: 0.05}, 0.02) == [0.5]
+    assert allowed_blends({0.5: 0.03, 0.7: 0.04, 1.0: 0.05}, 0.02) == [0.5]
+    assert allowed_blends({0.5: -0.01, 1.0: 0.0}, 0.02) == [0.5, 1.0]
+
+    rows, groups = general_validation_rows(smollm2, 1, 6)
+    assert groups == list(BENCHMARKS)
+    for (prompt, answer), b in zip(rows, groups):
+        last = load_benchmark(b)[-1]  # the gate reads the first items
+        assert last.turns[0] != load_benchmark(b, 1)[0].turns[0]
+        assert prompt == chat_template_ids(smollm2.tokenizer, [{"role": "user", "content": last.turns[0]}])
+        want = Engine(smollm2, None).generate(prompt, SamplingParams(max_tokens=6, temperature=0.0)).token_ids
+        assert answer == list(want)
+
+    shipped = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    state = {k: v.clone() for k, v in shipped.state_dict().items()}
+    noise = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for prm in noise.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g, dtype=prm.dtype) * 0.02)
+    agent = [(ids[:start], ids[start:]) for ids, start in smollm2_pairs[:1]]
+    cfg = dataclasses.replace(
+        _cfg(setup, name="gen", workers=0, blend_choices=[0.01, 1.0]), general_validation=1, general_max_new_tokens=16
+    )
+    alpha, report = choose_blend(cfg, noise, state, smollm2, agent, agent)
+    reg = report["general_regression"]
+    assert reg["1.0"] > 0.3 and abs(reg["0.01"]) < 0.1, report  # random weights lose the base's general τ
+    assert report["allowed"] == ["0.01"] and alpha == 0.01 and report["general_rows"] == len(BENCHMARKS)
+    assert set(report["agent"]) == {"0.01", "1.0"} and report["general"]["base"] > 1.5
+    with pytest.raises(ValueError, match="select_by=replay"):
+        dataclasses.replace(cfg, select_by="tau_sim").validate()
+
+
 def test_ray_train_two_workers_end_where_one_process_ends(setup):
     import ray
 
