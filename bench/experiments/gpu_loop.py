@@ -273,7 +273,7 @@ class Loop:
         recipe = {"train.time_budget_s": self.a.train_s, "train.steps": 100000, "train.batch_size": 8}
         recipe |= {"train.max_len": 2048, "train.anchors_per_seq": 64, "train.eval_every": 50}
         recipe |= {"train.warmup_steps": 20, "per": "all", "mode": "full", "train.lr": 1e-4}
-        recipe |= {"blend_choices": "[0.5,0.7,1.0]"}
+        recipe |= {"blend_choices": "[0.5,0.7,1.0]", "general_validation": 3}  # blends checked on general items
         recipe |= dict(kv.split("=", 1) for kv in self.a.finetune_set)  # --finetune-set replaces a setting
         args += [f"{k}={v}" for k, v in recipe.items()]
         t0 = time.time()
