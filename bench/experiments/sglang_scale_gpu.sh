@@ -9,6 +9,7 @@
 #   1 carry .carry/sgl1, 2 carry .carry/sgl2:  mkdir -p /tmp/sglwhl && cp .carry/sglK/*.whl /tmp/sglwhl/
 #   3.. carry the last .carry/sglN (it holds `install`) + .carry/tok, DSPINE_GIT_SHA exported:
 #   bash bench/experiments/sglang_scale_gpu.sh pre                 GPU kernel tests + bench/kernels.py at 4096 (VOCAB=151936: Qwen3's head) (-> /tmp/scale)
+#   bash bench/experiments/sglang_scale_gpu.sh kernels             bench/kernels.py alone
 #   bash bench/experiments/sglang_scale_gpu.sh SHAPE LIMIT ARGS..  bench/experiments/sglang_scale.py --shape SHAPE under LIMIT seconds, the
 #                                                      ARGS added (e.g. --taus 2,3,4.8 --group 3 --profile 2 --out
 #                                                      /tmp/scale/sglang_scale.json: a rerun skips what is measured)
@@ -91,8 +92,8 @@ D=/tmp/site/dspine_entry-0.1.dist-info
 mkdir -p $D /tmp/scale "$OUT"
 printf 'Metadata-Version: 2.1\nName: dspine-entry\nVersion: 0.1\n' > $D/METADATA
 printf '[sglang.srt.plugins]\ndspine = dspine.sglang.plugin:register\n' > $D/entry_points.txt
-if [ "$1" = pre ]; then
-  PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -m gpu tests/test_kernels.py 2>&1 | tail -3
+if [ "$1" = pre ] || [ "$1" = kernels ]; then  # kernels: the bench alone, without the GPU kernel tests
+  [ "$1" = pre ] && PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -m gpu tests/test_kernels.py 2>&1 | tail -3
   PYTHONPATH=$PWD timeout 150 python3 bench/kernels.py --hidden 4096 --vocab ${VOCAB:-49152} --batches 1,4,16,32 --dtypes bfloat16 \
     --out /tmp/scale/kernels_qwen3-8b.json 2>&1 | tail -8
   cp /tmp/scale/kernels_*.json "$OUT"/
