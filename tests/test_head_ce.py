@@ -19,6 +19,7 @@ from dspine.train.losses import (
     head_ce_reference,
     loss_kw,
     make_batch,
+    slot_weights,
     teacher_states,
 )
 
@@ -59,8 +60,8 @@ def test_head_ce_without_grad_or_extras():
     assert out.loss.item() == pytest.approx(head_ce_reference(x, W, y, w).loss.item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("method,soft", [("dflash", 0.0), ("dspine", 0.0), ("dspine", 0.7)])
-def test_drafter_losses_equal_with_the_reference_head(tiny, method, soft):
+@pytest.mark.parametrize("method,soft,split", [("dflash", 0.0, 0.0), ("dspine", 0.0, 0.0), ("dspine", 0.7, 0.5)])
+def test_drafter_losses_equal_with_the_reference_head(tiny, method, soft, split):
     """The training losses, statistics and gradients are those of the materialized-logits path."""
     target, pairs = tiny
     drafter = perturb_writes(DSpineDraftModel.for_target(target, method=method, num_hidden_layers=2, block_size=8))
@@ -72,7 +73,14 @@ def test_drafter_losses_equal_with_the_reference_head(tiny, method, soft):
     for chunked in (True, False):
         drafter.zero_grad(set_to_none=True)
         res = drafter_losses(
-            drafter, feats, batch, gamma=4.0, chunked_head=chunked, soft_labels=soft, target_final=final
+            drafter,
+            feats,
+            batch,
+            gamma=4.0,
+            chunked_head=chunked,
+            soft_labels=soft,
+            target_final=final,
+            redo_split=split,
         )
         res["loss"].backward()
         out[chunked] = (res, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
@@ -112,3 +120,36 @@ def test_soft_labels_read_the_state_the_target_predicted_each_label_from(tiny):
             TrainConfig(soft_labels=bad).validate()
         with pytest.raises(ConfigError, match="soft_labels is a weight in \\[0, 1\\]"):
             loss_kw(TrainConfig(), {"soft_labels": bad})
+
+
+def test_redo_split_gives_every_slot_dflash_s_share_of_the_ce(tiny):
+    """redo_split = ρ: slot 1 keeps its whole weight on the plain CE, slots 2.. put 1 − ρ of theirs there and ρ on
+    the redone write's CE, all over one normaliser — the loss equals that sum computed by hand from the per-slot
+    CEs, at ρ = 1 the plain CE covers slot 1 alone, and ρ outside [0, 1] is refused."""
+    target, pairs = tiny
+    drafter = perturb_writes(DSpineDraftModel.for_target(target, num_hidden_layers=2, block_size=6))
+    batch = make_batch(pairs[:4], 4, 6, 256, random.Random(2))
+    feats = FeatureSource(target, [drafter])(batch.ids)
+    base = drafter_losses(drafter, feats, batch, gamma=3.0, cos_weight=0.0, redo_weight=0.0)
+    total_ce = base["ce"]  # slots 1..5 over one normaliser
+    # the redo CE alone over slots 2.., normalised by its own weights (the "added" mode's term)
+    redo_own = drafter_losses(drafter, feats, batch, gamma=3.0, cos_weight=0.0, redo_weight=1.0)["redo"]
+    one = drafter_losses(drafter, feats, batch, gamma=3.0, cos_weight=0.0, redo_split=1.0)
+    half = drafter_losses(drafter, feats, batch, gamma=3.0, cos_weight=0.0, redo_split=0.5)
+    # ρ = 1: the plain CE holds slot 1's share only; ρ = 0.5 is the midpoint of ρ = 0 and ρ = 1, term by term
+    assert one["ce"] < total_ce and one["loss"].item() == pytest.approx(one["ce"] + one["redo"], rel=1e-5)
+    assert half["ce"] == pytest.approx((total_ce + one["ce"]) / 2, rel=1e-5)
+    assert half["redo"] == pytest.approx(one["redo"] / 2, rel=1e-5)
+    # the redo term is the own-normalised redo CE scaled by its slots' weight over every slot's weight
+    B, S = 6, batch.ids.shape[1]
+    pos = batch.anchors[..., None] + torch.arange(B)
+    lab = pos[..., 1:].clamp(max=S - 1)
+    valid = batch.label_mask.gather(1, lab.flatten(1)).view_as(lab) & (pos[..., 1:] < S)
+    w = slot_weights(B, 3.0) * valid
+    share = ((w[:, :, 1:] * valid[:, :, :-1]).sum() / w.sum()).item()
+    assert 0.3 < share < 1 and one["redo"] == pytest.approx(redo_own * share, rel=1e-5)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="redo_split is a share in \\[0, 1\\]"):
+            TrainConfig(redo_split=bad).validate()
+        with pytest.raises(ConfigError, match="redo_split is a share in \\[0, 1\\]"):
+            loss_kw(TrainConfig(), {"redo_split": bad})

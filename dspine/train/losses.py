@@ -6,7 +6,10 @@ Losses (each variant switches off what it lacks):
   accepted with Σ min(p, q), which hard labels — greedy answers most of all — teach only through the argmax);
 - layer-wise cosine between each readout f_t^l and the code T[y_t] (weights w_t), averaged over layers;
 - CE of the redone last write with the true predecessor's code (slots >= 2), so training sees what the
-  transition cache computes at decode time (soft labels alike).
+  transition cache computes at decode time (soft labels alike): added on top at `redo_weight` (its own
+  normalisation, so slot 1 holds a smaller share of the whole CE than in DFlash), or with `redo_split` = ρ > 0 in
+  place of part of the plain CE — slots 2.. put 1 − ρ of their weight on the plain CE and ρ on the redone one,
+  every slot's share equal to DFlash's.
 Random anchors inside the response; every block of every sequence in one drafter forward under a block mask;
 the frozen target's teacher-forced features come from one `FeatureSource` forward per batch for all drafters.
 """
@@ -168,6 +171,7 @@ def drafter_losses(
     cos_weight: float = 0.5,
     redo_weight: float = 1.0,
     soft_labels: float = 0.0,
+    redo_split: float = 0.0,
     host: bool = True,
     chunked_head: bool = False,
     target_final: torch.Tensor | None = None,
@@ -209,7 +213,11 @@ def drafter_losses(
     def soft(slots: slice) -> dict:  # head_ce's soft-label arguments for those slots' rows
         return {} if teacher is None else {"soft": teacher[:, :, slots].flatten(0, 2), "alpha": soft_labels}
 
-    main = ce_fn(drafter.norm(h).flatten(0, 2), W, y.flatten(), (w / wsum).flatten(), topk=K, **soft(slice(None)))
+    wn = w / wsum
+    if walks and redo_split:  # slots 2.. whose predecessor is a label keep 1 - redo_split here, the rest in the redo
+        keep = 1 - redo_split * valid[:, :, :-1].to(wn.dtype)
+        wn = torch.cat([wn[:, :, :1], wn[:, :, 1:] * keep], dim=2)
+    main = ce_fn(drafter.norm(h).flatten(0, 2), W, y.flatten(), wn.flatten(), topk=K, **soft(slice(None)))
     ce = main.loss
     total = ce
     stats = {"ce": ce.detach()}
@@ -232,6 +240,7 @@ def drafter_losses(
             f_last = out.feats[last]
             h_redo = out.h_pre[:, :, 2:] + inj.delta(f_last[:, :, 2:], tgt_code[:, :, :-1].to(f_last.dtype))
             wr = w[:, :, 1:] * valid[:, :, :-1]
+            wr = wr * (redo_split / wsum) if redo_split else wr / wr.sum().clamp_min(1e-6)
             # what the walk picks: the best redone score among the slot's top-K unconditioned candidates C_t
             # (a full-vocabulary argmax would credit tokens the walk can never reach)
             cand = main.topk.view(*y.shape, K)[:, :, 1:]  # (Bs, nb, B-2, K)
@@ -239,13 +248,15 @@ def drafter_losses(
                 drafter.norm(h_redo).flatten(0, 2),
                 W,
                 y[:, :, 1:].flatten(),
-                (wr / wr.sum().clamp_min(1e-6)).flatten(),
+                wr.flatten(),
                 cand=cand.flatten(0, 2),
                 **soft(slice(1, None)),
             )
             redo = r.loss
             stats["redo"] = redo.detach()
-            if redo_weight:
+            if redo_split:  # already weighted: its slots' share of the one CE
+                total = total + redo
+            elif redo_weight:
                 total = total + redo_weight * redo
             walk = r.walk.view(*y.shape[:2], B - 2)
             stats["slot_acc_full_vocab"] = _slot_acc(torch.cat([pred[:, :, :1], r.argmax.view_as(walk)], 2), y, valid)
@@ -357,7 +368,7 @@ def evaluate_tau_sims(
     return {k: v / max(1, n) for k, v in taus.items()}
 
 
-LOSS_KEYS = ("gamma", "cos_weight", "redo_weight", "soft_labels")
+LOSS_KEYS = ("gamma", "cos_weight", "redo_weight", "soft_labels", "redo_split")
 
 
 def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:
@@ -368,4 +379,6 @@ def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:
     kw.update(override or {})
     if not 0 <= kw["soft_labels"] <= 1:
         raise ConfigError(f"soft_labels is a weight in [0, 1] (0: hard labels only), got {kw['soft_labels']}")
+    if not 0 <= kw["redo_split"] <= 1:
+        raise ConfigError(f"redo_split is a share in [0, 1] (0: the redo CE added on top), got {kw['redo_split']}")
     return kw

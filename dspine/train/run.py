@@ -34,7 +34,7 @@ class DrafterSpec:
 
     method: str = "dspine"
     drafter: dict[str, Any] = field(default_factory=dict)  # e.g. transfer_rank, message_size
-    loss: dict[str, float] = field(default_factory=dict)  # gamma / cos_weight / redo_weight
+    loss: dict[str, float] = field(default_factory=dict)  # gamma / cos_weight / redo_weight / redo_split
 
 
 def split_heldout(
