@@ -394,18 +394,11 @@ def general_validation_rows(target, n: int, max_new_tokens: int) -> tuple[list, 
     ones), their first turns rendered by the target's chat template, and the target's greedy answer, decoded in
     one batch -> ([(prompt ids, answer ids)], [benchmark of each row])."""
     from dspine.adapt.evaluation import BENCHMARKS
-    from dspine.engine import Engine, generate_batch
-    from dspine.sampling import SamplingParams
-    from dspine.target import chat_template_ids
+    from dspine.eval.acceptance import greedy_answers
     from dspine.workloads import load_benchmark
 
-    prompts, groups = [], []
-    for b in BENCHMARKS:
-        for it in load_benchmark(b)[-n:]:
-            prompts.append(chat_template_ids(target.tokenizer, [{"role": "user", "content": it.turns[0]}]))
-            groups.append(b)
-    res = generate_batch(Engine(target, None), prompts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
-    return [(p, list(r.token_ids)) for p, r in zip(prompts, res)], groups
+    items = [(b, it) for b in BENCHMARKS for it in load_benchmark(b)[-n:]]
+    return greedy_answers(target, [it.turns[0] for _, it in items], max_new_tokens), [b for b, _ in items]
 
 
 def replay_taus(

@@ -9,6 +9,9 @@ Several GPUs: `torchrun --nproc_per_node N bench/recipe.py --stage train ...` tr
 global batch split over the GPUs; same data and steps as one process — on 2 H200s a step took 0.19 s vs
 0.21 s on one, so raise train.batch_size with N); the other stages stay one process.
 The shipped base drafter: --base (then warm_from=<previous ship folder> to continue it, --ship DIR to write it).
+The levers over DFlash (RecipeConfig.levers: slot 1's CE share, the cosine weight, 8 layers, each beside its DFlash
+twin in lockstep; evaluated by replay, 30 items x 512 tokens, each ratio with a bootstrap interval): --levers, e.g.
+    python bench/recipe.py --levers --stage eval --work /tmp/levers --out $OUT/ratio_levers.json
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
 The curve across runs that continued one another: --stage curve --reports gpu3=A.json gpu4=B.json --out c.svg
 Overrides: dotted keys of dspine.train.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
@@ -48,6 +51,9 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the CPU-test-sized recipe")
     ap.add_argument("--base", action="store_true", help="the shipped base drafter's recipe (RecipeConfig.base_drafter)")
     ap.add_argument(
+        "--levers", action="store_true", help="issue 50's levers beside their DFlash twins (RecipeConfig.levers)"
+    )
+    ap.add_argument(
         "--resume",
         action="store_true",
         help="train stage: continue every drafter from WORK/<name>/last (after train.stop_after_s)",
@@ -69,7 +75,10 @@ def main() -> int:
         return 0
     if not a.work:
         ap.error("--work is needed for this stage")
-    preset = RecipeConfig.cpu_tiny() if a.tiny else RecipeConfig.base_drafter() if a.base else RecipeConfig()
+    if sum((a.tiny, a.base, a.levers)) > 1:
+        ap.error("--tiny, --base and --levers are presets: pick one")
+    presets = {"tiny": RecipeConfig.cpu_tiny, "base": RecipeConfig.base_drafter, "levers": RecipeConfig.levers}
+    preset = next((make() for k, make in presets.items() if getattr(a, k)), None) or RecipeConfig()
     base = asdict(preset)
     cfg = from_dict(RecipeConfig, apply_overrides(base, a.overrides), "recipe")
     if a.stage == "regen":

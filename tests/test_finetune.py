@@ -201,7 +201,6 @@ def test_the_general_check_keeps_a_regressing_blend_from_being_picked(setup, smo
     from dspine.checkpoint import resolve_drafter
     from dspine.engine import Engine
     from dspine.sampling import SamplingParams
-    from dspine.target import chat_template_ids
     from dspine.workloads import load_benchmark
 
     assert allowed_blends({0.5: 0.01, 1.0: 0.05}, 0.02) == [0.5]
@@ -213,7 +212,7 @@ def test_the_general_check_keeps_a_regressing_blend_from_being_picked(setup, smo
     for (prompt, answer), b in zip(rows, groups):
         last = load_benchmark(b)[-1]  # the gate reads the first items
         assert last.turns[0] != load_benchmark(b, 1)[0].turns[0]
-        assert prompt == chat_template_ids(smollm2.tokenizer, [{"role": "user", "content": last.turns[0]}])
+        assert prompt == Engine(smollm2, None).prompt_ids(last.turns[0])  # as the gate's engine renders it
         want = Engine(smollm2, None).generate(prompt, SamplingParams(max_tokens=6, temperature=0.0)).token_ids
         assert answer == list(want)
 

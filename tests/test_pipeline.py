@@ -272,6 +272,16 @@ def test_tiny_recipe_end_to_end(tmp_path):
         f"{m}_t" for m in ("dflash", "post_backbone", "dspine")
     }
     assert s["load"] == {"clients": 1} and (tmp_path / "acc.md").is_file()
+    # the replay evaluation of the same drafters: T = 0 on the target's greedy answers, the pair's ratio with an
+    # interval over items, every drafter on the run's own held-out anchors
+    rcfg = dataclasses.replace(cfg, eval_mode="replay", eval_top_k=[], eval_trees={}, eval_limit=2)
+    rdoc = run_eval_stage(rcfg, tmp_path, tmp_path / "rep.json", progress=False)
+    assert set(rdoc["pairs"]) == {"dspine"} and rdoc["pairs"]["dspine"]["twin"] == "dflash"
+    assert rdoc["pairs"]["dspine"]["items"] == 4 and set(rdoc["heldout"]) == {"dflash", "post_backbone", "dspine"}
+    for n, h in rdoc["heldout"].items():  # the trained drafters on the held-out anchors training drew
+        assert len(h["slot_acc"]) == cfg.block_size - 1 and h["tau_sim"] > 1.0, n
+    assert "Over the twin" in (tmp_path / "rep.md").read_text() and (tmp_path / "rep.svg").is_file()
+    assert acceptance_summary(rdoc)["best_pair"] == "dspine"
 
 
 def test_eval_first_turns_only(smollm2):

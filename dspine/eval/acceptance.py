@@ -205,6 +205,104 @@ def replay(
     return out
 
 
+def greedy_answers(target, turns: list[str], max_new_tokens: int, batch_size: int = 32) -> list[tuple[list, list]]:
+    """Each user turn rendered as the engine renders a request and answered greedily by the target alone, in
+    batches of `batch_size` -> [(prompt ids, answer ids)]: the text every drafter is then replayed on."""
+    eng = Engine(target, None)
+    prompts = [eng.prompt_ids(t) for t in turns]
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    out = []
+    for k in range(0, len(prompts), batch_size):
+        chunk = prompts[k : k + batch_size]
+        out += [(p, list(r.token_ids)) for p, r in zip(chunk, generate_batch(eng, chunk, params))]
+    return out
+
+
+def replay_benchmarks(
+    target,
+    drafters: dict,
+    benchmarks: list[str],
+    limit: int,
+    max_new_tokens: int,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> dict:
+    """Acceptance at T = 0 on identical text: each benchmark item's first turn answered greedily by the target
+    once, then every drafter replayed on exactly that answer (`replay`, batched) — what speculative decoding
+    at T = 0 accepts, since its output is that answer (round for round; in the last round only the drafts inside
+    the answer count, where decoding also counts those past the token limit), for a fraction of decoding every
+    drafter. Per benchmark
+    and drafter: summarize's figures, per-item τ and (accepted, rounds); `pooled` over all items; `mean`: the
+    benchmarks' pooled τ averaged."""
+    items = [(b, it.turns[0]) for b in benchmarks for it in load_benchmark(b, limit)]
+    answers = greedy_answers(target, [t for _, t in items], max_new_tokens, batch_size)
+    jobs = [(n, p, a) for p, a in answers for n in drafters]
+    res = replay(target, drafters, jobs, progress=progress, batch_size=batch_size)
+    per: dict = {}
+    for k, r in enumerate(res):
+        b, n = items[k // len(drafters)][0], jobs[k][0]
+        per.setdefault(b, {}).setdefault(n, []).append(AcceptanceStats(r["block_size"], r["accept_hist"]))
+    results = {
+        b: {
+            n: {
+                **summarize(sts),
+                "per_request_tau": [s.tau for s in sts],
+                "per_request": [[s.accepted, s.rounds] for s in sts],
+            }
+            for n, sts in by_name.items()
+        }
+        for b, by_name in per.items()
+    }
+    every = {n: [s for b in per for s in per[b][n]] for n in drafters}
+    return {
+        "mode": "replay",
+        "results": results,
+        "pooled": {n: summarize(sts) for n, sts in every.items()},
+        "mean": {n: sum(results[b][n]["tau_pooled"] for b in results) / len(results) for n in drafters},
+        "items": {b: sum(1 for x, _ in items if x == b) for b in benchmarks},
+        "tokens": sum(len(a) for _, a in answers),
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+        "target": target.name,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        **provenance(),
+        "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
+    }
+
+
+def pair_ratios(doc: dict, pairs: dict[str, str], draws: int = 2000) -> dict:
+    """{variant: its twin} over a replay_benchmarks document -> per variant: pooled τ over all items of both,
+    their ratio with a 95% bootstrap interval over items (both drafters' counts of an item resampled together),
+    and the ratio of the benchmark-mean τ."""
+    from dspine.stats import bootstrap_over_groups
+
+    out = {}
+    for v, twin in pairs.items():
+        rows = [  # one item: (accepted, rounds) of the variant and of its twin
+            (a, b)
+            for bench in doc["results"].values()
+            for a, b in zip(bench[v]["per_request"], bench[twin]["per_request"])
+        ]
+
+        def ratio(xs):
+            tv = sum(a[0] + a[1] for a, _ in xs) / max(1, sum(a[1] for a, _ in xs))
+            tt = sum(b[0] + b[1] for _, b in xs) / max(1, sum(b[1] for _, b in xs))
+            return {"ratio": tv / tt if tt else 0.0}
+
+        ci = bootstrap_over_groups([[r] for r in rows], ratio, draws)["ratio"]
+        pv, pt = doc["pooled"][v]["tau_pooled"], doc["pooled"][twin]["tau_pooled"]
+        out[v] = {
+            "twin": twin,
+            "tau_pooled": pv,
+            "twin_tau_pooled": pt,
+            "ratio_pooled": pv / pt,
+            "ratio_ci": ci,
+            "ratio_mean": doc["mean"][v] / doc["mean"][twin],
+            "items": len(rows),
+        }
+    return out
+
+
 def _replay_one(engines: dict, name: str, prompt_ids: list[int], forced: list[int]) -> dict:
     return _stats_of(engines[name].generate(prompt_ids, SamplingParams(temperature=0.0), forced=forced).stats)
 
@@ -403,4 +501,62 @@ def write_results(doc: dict, out: str | Path) -> Path:
     chart = slot_chart(doc)
     if chart:
         atomic_write_text(out.with_suffix(".svg"), chart)
+    return out
+
+
+def replay_markdown(doc: dict) -> str:
+    """A replay_benchmarks document as Markdown: τ per benchmark (pooled), pooled over all items and the
+    benchmarks' mean; each pair's ratio with its interval; the held-out per-slot accuracy on identical anchors."""
+    res, names = doc["results"], list(doc["pooled"])
+    lines = [
+        f"T = 0, every drafter replayed on the target's greedy answers: {sum(doc['items'].values())} items "
+        f"({', '.join(f'{b} {n}' for b, n in doc['items'].items())}), {doc['tokens']} tokens, "
+        f"{doc['max_new_tokens']} new tokens at most\n",
+        md_table(
+            ["drafter", *res, "pooled", "mean"],
+            [
+                [n, *(f"{res[b][n]['tau_pooled']:.3f}" for b in res), f"{doc['pooled'][n]['tau_pooled']:.3f}"]
+                + [f"{doc['mean'][n]:.3f}"]
+                for n in names
+            ],
+        ),
+    ]
+    if doc.get("pairs"):
+        rows = []
+        for v, p in doc["pairs"].items():
+            ci = p["ratio_ci"]
+            band = f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else ""
+            rows.append([v, p["twin"], f"{p['tau_pooled']:.3f}", f"{p['twin_tau_pooled']:.3f}"])
+            rows[-1] += [f"{p['ratio_pooled']:.3f}{band}", f"{p['ratio_mean']:.3f}", p["items"]]
+        lines += ["\n**Over the twin** (pooled ratio, 95% bootstrap over items; ratio of the benchmark means)\n"]
+        lines.append(md_table(["drafter", "twin", "τ", "twin τ", "ratio pooled", "ratio of means", "items"], rows))
+    held = doc.get("heldout")
+    if held:
+        k = max(len(h["slot_acc"]) for h in held.values())
+        shown = min(k, 8)
+        lines += ["\n**Held-out anchors** (the same batches and anchors for every drafter: τ_sim, per-slot accuracy)\n"]
+        lines.append(
+            md_table(
+                ["drafter", "τ_sim", *(f"slot {i + 1}" for i in range(shown))],
+                [[n, f"{h['tau_sim']:.3f}", *(f"{a:.3f}" for a in h["slot_acc"][:shown])] for n, h in held.items()],
+            )
+        )
+    lines.append(f"\n{doc.get('git_sha', '?')} · {doc.get('hardware', '?')} · `{doc.get('command', '')}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_replay_results(doc: dict, out: str | Path) -> Path:
+    """A replay document's JSON, its Markdown and an SVG of per-slot acceptance beside it."""
+    out = Path(out)
+    atomic_write_text(out, json_text(doc))
+    atomic_write_text(out.with_suffix(".md"), replay_markdown(doc))
+    pooled = doc["pooled"]
+    panels = [
+        ("P(slot k accepted), T = 0, replayed", {n: g["per_slot"][:SLOTS_SHOWN] for n, g in pooled.items()}),
+        (
+            "P(slot k | slot k-1 accepted), T = 0, replayed",
+            {n: g["per_slot_conditional"][:SLOTS_SHOWN] for n, g in pooled.items()},
+        ),
+    ]
+    atomic_write_text(out.with_suffix(".svg"), line_panels(panels, "block slot k"))
     return out

@@ -347,6 +347,14 @@ def evaluate_tau_sims(
     drafters: dict, target, samples, cfg: TrainConfig, seed: int = 1234, losses: dict | None = None
 ) -> dict[str, float]:
     """Held-out simulated τ of each drafter on the same batches and anchors."""
+    return {n: st["tau_sim"] for n, st in heldout_stats(drafters, target, samples, cfg, seed, losses).items()}
+
+
+def heldout_stats(
+    drafters: dict, target, samples, cfg: TrainConfig, seed: int = 1234, losses: dict | None = None
+) -> dict[str, dict]:
+    """Each drafter on the same held-out batches and anchors -> {name: {"tau_sim", "slot_acc"}}: the simulated τ
+    and the conditional per-slot accuracy of its proposal (the walk for DSpine), each a mean over sequences."""
     rng = random.Random(seed)
     kws = {name: loss_kw(cfg, (losses or {}).get(name)) for name in drafters}
     src = FeatureSource(target, list(drafters.values()), final=any(kw["soft_labels"] for kw in kws.values()))
@@ -354,6 +362,7 @@ def evaluate_tau_sims(
     if len(block) != 1:
         raise ValueError("drafters evaluated together must share a block size")
     taus = dict.fromkeys(drafters, 0.0)
+    accs: dict = {}
     n = 0
     for i in range(0, len(samples), cfg.batch_size):
         batch = make_batch(
@@ -364,8 +373,10 @@ def evaluate_tau_sims(
             kw = {**kws[name], "chunked_head": cfg.chunked_head_ce, "target_final": src.final(feats)}
             res = drafter_losses(d, src.select(feats, d), batch, **kw)
             taus[name] += res["tau_sim"] * len(batch.ids)
+            acc = [a * len(batch.ids) for a in res["slot_acc"]]
+            accs[name] = [a + b for a, b in zip(accs[name], acc)] if name in accs else acc
         n += len(batch.ids)
-    return {k: v / max(1, n) for k, v in taus.items()}
+    return {k: {"tau_sim": taus[k] / max(1, n), "slot_acc": [a / max(1, n) for a in accs.get(k, [])]} for k in taus}
 
 
 LOSS_KEYS = ("gamma", "cos_weight", "redo_weight", "soft_labels", "redo_split")

@@ -92,6 +92,12 @@ class RecipeConfig:
     eval_ablations: bool = False
     eval_top_k: list[int] = field(default_factory=list)  # extra rows: dspine decoded with these walk widths
     eval_trees: dict[str, str] = field(default_factory=dict)  # label -> draft tree: rows <method>_<label>
+    # "generate": every drafter decodes every item at eval_temperatures (evaluate); "replay": T = 0 only, every
+    # drafter replayed on the target's greedy answers (identical text, batched: 30+ items x 512 tokens in minutes),
+    # each pair's ratio with a bootstrap interval over items, the held-out per-slot accuracy on identical anchors
+    eval_mode: str = "generate"
+    eval_pairs: dict[str, str] = field(default_factory=dict)  # replay: drafter -> its twin ({}: DSpine ones -> dflash)
+    eval_batch: int = 32  # replay: answers and replays decoded together
 
     def validate(self) -> None:
         from dspine.config import ConfigError
@@ -109,6 +115,14 @@ class RecipeConfig:
                 DraftTree.parse(spec)
             except ValueError as e:
                 raise ConfigError(f"recipe.eval_trees.{label}: {e}") from None
+        if self.eval_mode not in ("generate", "replay"):
+            raise ConfigError(f"recipe.eval_mode {self.eval_mode!r}: generate or replay")
+        if self.eval_mode == "replay" and (self.eval_trees or self.eval_top_k):
+            raise ConfigError("recipe.eval_mode=replay replays chains: eval_trees and eval_top_k need generate")
+        names = {*self.methods, *self.ablations}
+        bad = {k: v for k, v in self.eval_pairs.items() if k not in names or v not in names}
+        if bad:
+            raise ConfigError(f"recipe.eval_pairs {bad}: both sides must be methods or ablations of the recipe")
         known = {f.name for f in dataclasses.fields(DSpineConfig)} - {"method"}
         for name, a in self.ablations.items():
             if set(a.drafter) - known:
@@ -136,6 +150,41 @@ class RecipeConfig:
             methods=["dspine", "dflash"],
             ablations={},
             eval_workers=16,
+        )
+
+    @classmethod
+    def levers(cls) -> RecipeConfig:
+        """Issue 50's levers, each a drafter trained in lockstep beside DSpine and its DFlash twin on the same
+        data and steps: slot 1's CE share restored (`redo_split` 0.5 and 1), no cosine term, a heavier cosine
+        term, and 8 drafter layers (against an 8-layer DFlash). Evaluated by replay: 30 items per benchmark, 512
+        new tokens, each variant's pooled ratio over its twin with a bootstrap interval; run it with two
+        `train.seed`s."""
+        return cls(
+            workload="sharegpt_3k+gsm8k_train+mbpp_train+bfcl",
+            num_prompts=3000,
+            methods=["dspine", "dflash"],
+            ablations={
+                "dspine_split": Ablation(loss={"redo_split": 0.5}),
+                "dspine_split1": Ablation(loss={"redo_split": 1.0}),
+                "dspine_nocos": Ablation(loss={"cos_weight": 0.0}),
+                "dspine_cos1": Ablation(loss={"cos_weight": 1.0}),
+                "dspine_l8": Ablation(drafter={"num_hidden_layers": 8}),
+                "dflash_l8": Ablation(method="dflash", drafter={"num_hidden_layers": 8}),
+            },
+            eval_ablations=True,
+            eval_mode="replay",
+            eval_limit=30,
+            eval_max_new_tokens=512,
+            eval_temperatures=[0.0],
+            eval_batch=64,
+            eval_pairs={
+                "dspine": "dflash",
+                "dspine_split": "dflash",
+                "dspine_split1": "dflash",
+                "dspine_nocos": "dflash",
+                "dspine_cos1": "dflash",
+                "dspine_l8": "dflash_l8",
+            },
         )
 
     @classmethod
@@ -292,6 +341,8 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
     work = Path(work)
     names = [*cfg.methods, *(cfg.ablations if cfg.eval_ablations else [])]
     specs: dict = {m: str(work / m / "best") for m in names}
+    if cfg.eval_mode == "replay":
+        return _replay_eval(cfg, work, specs, out_json, progress)
     specs.update({f"dspine_k{k}": (specs["dspine"], {"top_k": k}) for k in cfg.eval_top_k})
     trees = {}
     for label, tree in cfg.eval_trees.items():
@@ -319,6 +370,33 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
     return doc
 
 
+def _replay_eval(cfg: RecipeConfig, work: Path, specs: dict, out_json: str | Path, progress: bool) -> dict:
+    """eval_mode=replay: the benchmarks replayed at T = 0 (eval.acceptance.replay_benchmarks), each pair's ratio
+    with its interval, and every drafter on the training run's own held-out anchors (the split `run` drew)."""
+    from dspine.eval.acceptance import pair_ratios, replay_benchmarks, write_replay_results
+    from dspine.train.losses import heldout_stats
+    from dspine.train.run import split_heldout
+
+    target, drafters = load_models(cfg.target, cfg.dtype, cfg.device, specs)
+    doc = replay_benchmarks(
+        target, drafters, cfg.eval_benchmarks, cfg.eval_limit, cfg.eval_max_new_tokens, cfg.eval_batch, progress
+    )
+    variants = cfg.variants()
+    pairs = cfg.eval_pairs or {n: "dflash" for n in specs if variants[n].method == "dspine" and "dflash" in specs}
+    doc["pairs"] = pair_ratios(doc, {v: t for v, t in pairs.items() if v in specs and t in specs})
+    samples, added = training_samples(cfg, work)
+    if samples:
+        _, held = split_heldout(samples, cfg.heldout, cfg.train.seed, cfg.train.max_len, added)
+        losses = {n: variants[n].loss for n in specs}
+        doc["heldout"] = heldout_stats(drafters, target, held, cfg.train, losses=losses)
+    doc["recipe"] = asdict(cfg)
+    rep = work / "train_report.json"
+    if rep.is_file():
+        doc["train_report"] = json.loads(rep.read_text())
+    write_replay_results(doc, out_json)
+    return doc
+
+
 def ship_drafters(cfg: RecipeConfig, work: str | Path, dest: str | Path, which: str = "best") -> dict[str, Path]:
     """Each method's best drafter (`which="last"`: where training stopped — the lockstep pair at one step, for
     a run whose cosine the next warm start continues) as it ships (dest/<name>/): bf16 weights without what the
@@ -336,7 +414,26 @@ def ship_drafters(cfg: RecipeConfig, work: str | Path, dest: str | Path, which: 
 
 
 def acceptance_summary(doc: dict) -> dict:
-    """The `acceptance` section of bench/results/summary.json."""
+    """The `acceptance` section of bench/results/summary.json (a replay document: T = 0 figures, every pair's
+    ratio, and at the top the best pair's `ratio_pooled` and `ratio_ci`)."""
+    if doc.get("mode") == "replay":
+        pairs = doc.get("pairs") or {}
+        best = max(pairs, key=lambda v: pairs[v]["ratio_pooled"], default=None)
+        return {
+            "T0": dict(doc["mean"]),
+            "T0_pooled": {n: p["tau_pooled"] for n, p in doc["pooled"].items()},
+            "per_benchmark": {b: {"T0": {n: r["tau_pooled"] for n, r in c.items()}} for b, c in doc["results"].items()},
+            "pairs": pairs,
+            "best_pair": best,
+            "ratio_pooled": pairs[best]["ratio_pooled"] if best else None,
+            "ratio_ci": pairs[best]["ratio_ci"] if best else None,
+            "items_per_benchmark": doc["limit"],
+            "max_new_tokens": doc["max_new_tokens"],
+            "mode": "replay",
+            "git_sha": doc["git_sha"],
+            "command": doc["command"],
+            "hardware": doc["hardware"],
+        }
     return {
         **{k: dict(v) for k, v in doc["means"].items()},
         "per_benchmark": {

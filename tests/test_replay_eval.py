@@ -1,0 +1,71 @@
+"""Acceptance at T = 0 by replay (dspine.eval.acceptance.replay_benchmarks): every drafter replayed on the target's
+greedy answers is what decoding with it accepts, pairs get their ratio with an interval over items, and the
+recipe's replay evaluation is configured strictly."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dspine.checkpoint import load_drafter, resolve_drafter
+from dspine.config import ConfigError
+from dspine.engine import Engine
+from dspine.eval.acceptance import greedy_answers, pair_ratios, replay, replay_benchmarks, replay_markdown
+from dspine.sampling import SamplingParams
+from dspine.train.recipe import RecipeConfig, acceptance_summary
+from dspine.workloads import load_benchmark
+
+
+def test_replayed_acceptance_is_what_decoding_accepts_and_pairs_get_intervals(smollm2):
+    shipped = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    noisy = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a weaker twin: the shipped weights with noise on the injection writes
+        for inj in noisy.injections.values():
+            inj.write.weight.add_(torch.randn(inj.write.weight.shape, generator=g) * 0.05)
+    drafters = {"shipped": shipped, "noisy": noisy}
+    doc = replay_benchmarks(smollm2, drafters, ["gsm8k", "mt_bench"], 2, 24, batch_size=4, progress=False)
+    assert doc["items"] == {"gsm8k": 2, "mt_bench": 2} and doc["tokens"] > 40
+    # decoding each item with the shipped drafter gives the replayed answer and the same rounds; only the last
+    # round's count can differ (decoding also counts drafts accepted past the token limit, cut from its output)
+    turns = [it.turns[0] for b in ("gsm8k", "mt_bench") for it in load_benchmark(b, 2)]
+    answers = greedy_answers(smollm2, turns, 24, batch_size=4)
+    got = [r for b in ("gsm8k", "mt_bench") for r in doc["results"][b]["shipped"]["per_request"]]
+    for turn, (prompt, answer), (acc, rounds) in zip(turns, answers, got):
+        res = Engine(smollm2, shipped).generate(turn, SamplingParams(max_tokens=24, temperature=0.0))
+        assert res.token_ids == answer and rounds == res.stats.rounds
+        (rep,) = replay(smollm2, {"s": shipped}, [("s", prompt, answer)], progress=False)
+        assert sum(abs(a - b) for a, b in zip(rep["accept_hist"], res.stats.accept_hist)) <= 2
+        assert rep["accepted"] == acc <= res.stats.accepted
+    pooled = doc["pooled"]["shipped"]["tau_pooled"]
+    every = [r for b in doc["results"].values() for r in b["shipped"]["per_request"]]
+    assert pooled == pytest.approx(sum(a + r for a, r in every) / sum(r for _, r in every))
+    pairs = pair_ratios(doc, {"shipped": "noisy", "noisy": "noisy"}, draws=300)
+    p = pairs["shipped"]
+    assert p["ratio_pooled"] == pytest.approx(pooled / doc["pooled"]["noisy"]["tau_pooled"])
+    assert p["items"] == 4 and p["ratio_ci"][0] <= p["ratio_pooled"] <= p["ratio_ci"][1]
+    assert pairs["noisy"]["ratio_pooled"] == 1.0 and pairs["noisy"]["ratio_ci"] == [1.0, 1.0]
+    md = replay_markdown({**doc, "pairs": pairs})
+    assert "| shipped | noisy |" in md and "ratio pooled" in md
+    summary = acceptance_summary({**doc, "pairs": pairs})
+    assert summary["mode"] == "replay" and summary["items_per_benchmark"] == 2 and summary["max_new_tokens"] == 24
+    assert summary["best_pair"] == max(pairs, key=lambda v: pairs[v]["ratio_pooled"])
+
+
+def test_the_recipe_replay_evaluation_refuses_what_it_cannot_do():
+    levers = RecipeConfig.levers()
+    levers.validate()
+    variants = levers.variants()
+    for v, twin in levers.eval_pairs.items():  # every lever against a DFlash of its own depth
+        assert variants[v].method == "dspine" and variants[twin].method == "dflash"
+        depth = lambda n: variants[n].drafter.get("num_hidden_layers", levers.layers)
+        assert depth(v) == depth(twin), v
+    assert set(levers.eval_pairs) == {n for n, a in variants.items() if a.method == "dspine"}
+    cfg = RecipeConfig.cpu_tiny()
+    dataclasses.replace(cfg, eval_mode="replay", eval_pairs={"dspine": "dflash"}).validate()
+    with pytest.raises(ConfigError, match="eval_mode 'fast'"):
+        dataclasses.replace(cfg, eval_mode="fast").validate()
+    with pytest.raises(ConfigError, match="eval_trees and eval_top_k need generate"):
+        dataclasses.replace(cfg, eval_mode="replay", eval_top_k=[2]).validate()
+    with pytest.raises(ConfigError, match="eval_pairs"):
+        dataclasses.replace(cfg, eval_mode="replay", eval_pairs={"dspine": "medusa"}).validate()
