@@ -31,6 +31,9 @@
 # A cosine across sessions: BUDGET=S (the whole schedule's training seconds) for `start`; this session trains part
 # of it and `back` (WHICH=last) brings the pair home; the next session stages it and starts with the same BUDGET
 # and OFFSET=the seconds already trained (train_report.json's last elapsed_s): the schedule continues there.
+# PRESET=levers NAME=ratio_levers: issue 50's levers instead (RecipeConfig.levers: DSpine, DFlash and the lever
+# variants in lockstep from fresh weights; `eval` replays 30 items x 512 tokens per benchmark and writes
+# $OUT/ratio_levers.{json,md,svg} and the train report, nothing shipped); the same stages otherwise.
 # PROFILE=1 with BS=N: `start` profiles N's step (bench/train_step.py --profile) instead of probing sizes.
 # EXTRA="key=value ...": more recipe overrides for every stage of the call (e.g. sampled_num_prompts=600 for a
 # shorter regeneration, eval_temperatures=[0.0]); give a call the same ones as the calls before it.
@@ -64,7 +67,7 @@ ovr() { echo target=/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf regen_dtype=bflo
   train.time_budget_s=$(cat $W/budget_s 2>/dev/null || echo 1000) train.batch_size=$(cat $W/batch_size 2>/dev/null || echo 16) \
   $([ -f $W/lr ] && echo train.lr=$(cat $W/lr) || true) \
   $([ -f $W/offset ] && echo train.schedule_offset_s=$(cat $W/offset) || true) ${EXTRA:-}; }
-common() { echo --base --work $W --no-progress $(ovr); }
+common() { echo --${PRESET:-base} --work $W --no-progress $(ovr); }
 # the regenerated data, packed, in 15 MB pieces to $OUT (data, data_t1, and the added pools' data_added*)
 pack() {
   rm -rf $W/pack
@@ -120,10 +123,11 @@ more)
   r=$([ -f $W/train_report.json ] && echo --resume || true)
   python bench/recipe.py --stage train $r $(common) train.stop_after_s=$(left $(($2 - 45))) | tail -c 2500 ;;
 eval)
-  python bench/recipe.py --stage eval $(common) ${TREE:+"eval_trees={\"t\":\"$TREE\"}"} --out $OUT/acceptance.json \
+  python bench/recipe.py --stage eval $(common) ${TREE:+"eval_trees={\"t\":\"$TREE\"}"} --out $OUT/${NAME:-acceptance}.json \
     | tail -c 3000
-  ship
   cp $W/train_report.json $OUT/
+  [ "${PRESET:-base}" = base ] || exit 0  # the levers: the table and the report, no drafter to ship
+  ship
   split -b 15000000 -d $W/ship/dspine/model.safetensors $OUT/dspine.part
   cp $W/ship/dspine/config.json $OUT/dspine_config.json ;;
 back)
