@@ -57,6 +57,9 @@ class DSpineSection:
     transfer_rank: int = 256
     message_size: int = 256
     top_k: int = 8
+    # False: slot 1 gets no write from the anchor (its code is taken as zero, so the gated message is zero) — a
+    # target with tied embeddings already gives slot 0 the anchor's head row, which the code repeats
+    anchor_write: bool = True
 
 
 DSPINE_SECTION = tuple(f.name for f in fields(DSpineSection))  # config.json's dspine_config keys
@@ -424,6 +427,8 @@ class DSpineDraftModel(nn.Module):
         anchor_code = None
         if self.config.uses_injection:
             anchor_code = self.transfer_codes[block_ids[..., 0]].to(dtype)  # (N, nb, r)
+            if not self.config.anchor_write:
+                anchor_code = torch.zeros_like(anchor_code)
         feats, h_pre = {}, None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -153,3 +153,31 @@ def test_redo_split_gives_every_slot_dflash_s_share_of_the_ce(tiny):
             TrainConfig(redo_split=bad).validate()
         with pytest.raises(ConfigError, match="redo_split is a share in \\[0, 1\\]"):
             loss_kw(TrainConfig(), {"redo_split": bad})
+
+
+def test_scale_weight_pulls_the_readouts_norm_to_the_codes(tiny):
+    """scale_weight: the squared log ratio of each readout's norm to its label's code norm joins the loss —
+    zero where every readout has its code's norm, positive otherwise, with a gradient into the readouts; a
+    negative weight is refused."""
+    target, pairs = tiny
+    drafter = perturb_writes(DSpineDraftModel.for_target(target, num_hidden_layers=2, block_size=6))
+    batch = make_batch(pairs[:4], 4, 6, 256, random.Random(3))
+    feats = FeatureSource(target, [drafter])(batch.ids)
+    plain = drafter_losses(drafter, feats, batch, gamma=3.0)
+    res = drafter_losses(drafter, feats, batch, gamma=3.0, scale_weight=2.0)
+    assert "scale" not in plain and res["scale"] > 0
+    assert res["loss"].item() == pytest.approx(plain["loss"].item() + 2.0 * res["scale"], rel=1e-5)
+    drafter.zero_grad(set_to_none=True)
+    drafter_losses(drafter, feats, batch, gamma=3.0, cos_weight=0.0, redo_weight=0.0, scale_weight=1.0)["loss"].backward()
+    assert any(inj.readout.weight.grad.abs().sum() > 0 for inj in drafter.injections.values())
+    # codes scaled to each readout's own norm: nothing left to match
+    with torch.no_grad():
+        drafter.transfer_codes.mul_(0.0).add_(1.0)  # every code the same vector, norm sqrt(r)
+        r = drafter.transfer_codes.shape[1]
+        for inj in drafter.injections.values():
+            inj.readout.weight.zero_()
+            inj.readout.bias.fill_(1.0)  # every readout the vector of ones too
+    res = drafter_losses(drafter, feats, batch, gamma=3.0, scale_weight=1.0)
+    assert res["scale"] == pytest.approx(0.0, abs=1e-9) and r > 1
+    with pytest.raises(ConfigError, match="scale_weight must be >= 0"):
+        TrainConfig(scale_weight=-1.0).validate()

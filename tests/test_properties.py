@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import perturb_writes, tiny_target
 
-from dspine.checkpoint import load_drafter, save_drafter
+from dspine.checkpoint import config_to_json, load_drafter, save_drafter
 from dspine.config import ConfigError, apply_overrides, from_dict
 from dspine.decoding import DraftTree, propose, propose_tree, transition_scores
 from dspine.drafter import DSpineDraftModel
@@ -57,6 +57,23 @@ def test_zero_writes_give_dflash_logits():
         assert not torch.allclose(a[:, :, 1:], c[:, :, 1:])  # the injection path is live once W != 0
         if method == "post_backbone":  # the anchor slot is never written (earlier layers could attend to writes)
             assert torch.equal(a[:, :, 0], c[:, :, 0])
+
+
+def test_anchor_write_off_leaves_slot_1_without_the_anchor_s_code():
+    """anchor_write=False: the anchor's code no longer reaches slot 1 (a different code table row for the anchor
+    changes nothing), while with it on it does; the setting travels in the checkpoint's dspine_config."""
+    target = tiny_target("llama")
+    for on in (True, False):
+        d = perturb_writes(
+            DSpineDraftModel.for_target(target, num_hidden_layers=2, block_size=6, seed=3, anchor_write=on)
+        )
+        block, pos, ctx = _block(d, target)
+        a = d(block, pos, ctx).hidden
+        with torch.no_grad():
+            d.transfer_codes[block[..., 0].flatten()] += 3.0  # move the anchors' codes
+        b = d(block, pos, ctx).hidden
+        assert torch.equal(a, b) != on, on
+    assert config_to_json(d.config)["dspine_config"]["anchor_write"] is False
 
 
 @pytest.mark.parametrize("method", ["dspine", "post_backbone"])

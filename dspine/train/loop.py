@@ -49,6 +49,7 @@ class TrainConfig:
     # > 0: slots 2.. split their CE weight, (1 - redo_split) on the plain CE and redo_split on the redone write's, so
     # each slot's share of the CE is DFlash's (slot 1's is not halved by a redo CE added on top); redo_weight unused
     redo_split: float = 0.0
+    scale_weight: float = 0.0  # > 0: the readouts' norms pulled to their codes' (squared log ratio), beside the cosine
     # > 0: the head's CE targets (1 - a)·the label + a·the target's own distribution there (losses.py); needs the
     # target's final hidden states from the teacher forward (one more (rows, d) slice, and (rows, V) per chunk)
     soft_labels: float = 0.0
@@ -75,6 +76,8 @@ class TrainConfig:
             raise ConfigError("train.lr and train.gamma must be positive")
         if not 0 <= self.soft_labels <= 1:
             raise ConfigError(f"train.soft_labels is a weight in [0, 1] (0: hard labels only), got {self.soft_labels}")
+        if self.scale_weight < 0:
+            raise ConfigError(f"train.scale_weight must be >= 0, got {self.scale_weight}")
         if not 0 <= self.redo_split <= 1:
             raise ConfigError(
                 f"train.redo_split is a share in [0, 1] (0: the redo CE added on top), got {self.redo_split}"

@@ -4,7 +4,9 @@ Losses (each variant switches off what it lacks):
 - CE on slots 1..B-1 weighted w_k = exp(-(k-1)/γ); with `soft_labels` = a > 0 its target is (1 - a)·onehot(y) +
   a·p_target, the target's own distribution at that position (SpecForge's soft labels: under sampling a draft is
   accepted with Σ min(p, q), which hard labels — greedy answers most of all — teach only through the argmax);
-- layer-wise cosine between each readout f_t^l and the code T[y_t] (weights w_t), averaged over layers;
+- layer-wise cosine between each readout f_t^l and the code T[y_t] (weights w_t), averaged over layers; with
+  `scale_weight` also the squared log ratio of their norms (the transition cache feeds codes where training fed
+  readouts: the cosine alone leaves the readouts' scale free);
 - CE of the redone last write with the true predecessor's code (slots >= 2), so training sees what the
   transition cache computes at decode time (soft labels alike): added on top at `redo_weight` (its own
   normalisation, so slot 1 holds a smaller share of the whole CE than in DFlash), or with `redo_split` = ρ > 0 in
@@ -172,6 +174,7 @@ def drafter_losses(
     redo_weight: float = 1.0,
     soft_labels: float = 0.0,
     redo_split: float = 0.0,
+    scale_weight: float = 0.0,
     host: bool = True,
     chunked_head: bool = False,
     target_final: torch.Tensor | None = None,
@@ -234,6 +237,15 @@ def drafter_losses(
         stats["cos"] = cos.detach()
         if cos_weight:
             total = total + cos_weight * cos
+        if scale_weight:  # the readouts' norm matched to the codes' (the cosine only matches their direction)
+            code_norm = tgt_code.float().norm(dim=-1).clamp_min(1e-6)
+            scale_terms = [
+                ((f[:, :, 1:].float().norm(dim=-1).clamp_min(1e-6) / code_norm).log().square() * w).sum() / wsum
+                for f in out.feats.values()
+            ]
+            scale = torch.stack(scale_terms).mean()
+            stats["scale"] = scale.detach()
+            total = total + scale_weight * scale
         if walks:  # redone last write with the true predecessor's code, slots 2..B-1
             last = cfg.num_hidden_layers - 1
             inj = drafter.injections[str(last)]
@@ -379,7 +391,7 @@ def heldout_stats(
     return {k: {"tau_sim": taus[k] / max(1, n), "slot_acc": [a / max(1, n) for a in accs.get(k, [])]} for k in taus}
 
 
-LOSS_KEYS = ("gamma", "cos_weight", "redo_weight", "soft_labels", "redo_split")
+LOSS_KEYS = ("gamma", "cos_weight", "redo_weight", "soft_labels", "redo_split", "scale_weight")
 
 
 def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:

@@ -156,9 +156,10 @@ class RecipeConfig:
     def levers(cls) -> RecipeConfig:
         """Issue 50's levers, each a drafter trained in lockstep beside DSpine and its DFlash twin on the same
         data and steps: slot 1's CE share restored (`redo_split` 0.5 and 1), no cosine term, a heavier cosine
-        term, and 8 drafter layers (against an 8-layer DFlash). Evaluated by replay: 30 items per benchmark, 512
-        new tokens, each variant's pooled ratio over its twin with a bootstrap interval; run it with two
-        `train.seed`s."""
+        term, slot 1 without the anchor's write (`anchor_write`: SmolLM2 ties its embeddings), the readouts'
+        scale matched to the codes (`scale_weight`), and 8 drafter layers (against an 8-layer DFlash).
+        Evaluated by replay: 30 items per benchmark, 512 new tokens, each variant's pooled ratio over its twin
+        with a bootstrap interval; run it with two `train.seed`s."""
         return cls(
             workload="sharegpt_3k+gsm8k_train+mbpp_train+bfcl",
             num_prompts=3000,
@@ -168,6 +169,8 @@ class RecipeConfig:
                 "dspine_split1": Ablation(loss={"redo_split": 1.0}),
                 "dspine_nocos": Ablation(loss={"cos_weight": 0.0}),
                 "dspine_cos1": Ablation(loss={"cos_weight": 1.0}),
+                "dspine_noanchor": Ablation(drafter={"anchor_write": False}),
+                "dspine_scale": Ablation(loss={"scale_weight": 0.5}),
                 "dspine_l8": Ablation(drafter={"num_hidden_layers": 8}),
                 "dflash_l8": Ablation(method="dflash", drafter={"num_hidden_layers": 8}),
             },
@@ -183,6 +186,8 @@ class RecipeConfig:
                 "dspine_split1": "dflash",
                 "dspine_nocos": "dflash",
                 "dspine_cos1": "dflash",
+                "dspine_noanchor": "dflash",
+                "dspine_scale": "dflash",
                 "dspine_l8": "dflash_l8",
             },
         )

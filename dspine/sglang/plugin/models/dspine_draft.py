@@ -71,6 +71,8 @@ class DSpineDraftModel(DFlashDraftModel):
             return LogitsProcessorOutput(next_token_logits=None, hidden_states=h)
         B = int(self.block_size)
         anchor_code = self.transfer_codes[input_ids.view(-1, B)[:, 0]].to(h.dtype)  # (bs, r)
+        if not self.dspine.anchor_write:  # slot 1 without the anchor's write (DSpineSection.anchor_write)
+            anchor_code = torch.zeros_like(anchor_code)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h, residual = layer(positions, h, forward_batch, residual)
