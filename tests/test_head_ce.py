@@ -168,7 +168,8 @@ def test_scale_weight_pulls_the_readouts_norm_to_the_codes(tiny):
     assert "scale" not in plain and res["scale"] > 0
     assert res["loss"].item() == pytest.approx(plain["loss"].item() + 2.0 * res["scale"], rel=1e-5)
     drafter.zero_grad(set_to_none=True)
-    drafter_losses(drafter, feats, batch, gamma=3.0, cos_weight=0.0, redo_weight=0.0, scale_weight=1.0)["loss"].backward()
+    only = drafter_losses(drafter, feats, batch, gamma=3.0, cos_weight=0.0, redo_weight=0.0, scale_weight=1.0)
+    only["loss"].backward()
     assert any(inj.readout.weight.grad.abs().sum() > 0 for inj in drafter.injections.values())
     # codes scaled to each readout's own norm: nothing left to match
     with torch.no_grad():
