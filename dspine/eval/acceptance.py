@@ -231,9 +231,8 @@ def replay_benchmarks(
     once, then every drafter replayed on exactly that answer (`replay`, batched) — what speculative decoding
     at T = 0 accepts, since its output is that answer (round for round; in the last round only the drafts inside
     the answer count, where decoding also counts those past the token limit), for a fraction of decoding every
-    drafter. Per benchmark
-    and drafter: summarize's figures, per-item τ and (accepted, rounds); `pooled` over all items; `mean`: the
-    benchmarks' pooled τ averaged."""
+    drafter. Per benchmark and drafter: summarize's figures, per-item τ and (accepted, rounds); `pooled` over all
+    items; `mean`: the benchmarks' pooled τ averaged."""
     items = [(b, it.turns[0]) for b in benchmarks for it in load_benchmark(b, limit)]
     answers = greedy_answers(target, [t for _, t in items], max_new_tokens, batch_size)
     jobs = [(n, p, a) for p, a in answers for n in drafters]
