@@ -162,12 +162,25 @@ def test_lora_trains_the_heads_only_when_asked_and_merges_exactly(setup):
         add_lora(load_drafter(setup / "base"), _cfg(setup, name="x", mode="lora", target_modules=["qkv"]))
 
 
+def _shipped_state_and_noise(target):
+    """The shipped drafter's weights (a base state to blend toward) and a drafter of random weights."""
+    from dspine.checkpoint import resolve_drafter
+
+    shipped = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), target)
+    state = {k: v.clone() for k, v in shipped.state_dict().items()}
+    noise = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), target)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for prm in noise.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g, dtype=prm.dtype) * 0.02)
+    return state, noise
+
+
 def test_validation_picks_the_blend_by_replaying_its_rows(setup, smollm2, smollm2_pairs):
     """select_by=replay (the default): each blend choice is scored by the pooled τ of the validation rows replayed
     through the engine, as the test part is measured, and the best is saved and named. On the real target: the
     shipped drafter blended 1% toward random weights accepts; the random weights themselves do not."""
     from dspine.adapt.finetuning import choose_blend, replay_taus
-    from dspine.checkpoint import resolve_drafter
 
     cfg = dataclasses.replace(_cfg(setup, name="sel", workers=0, blend_choices=[0.5, 1.0]), validation_fraction=0.25)
     finetune(cfg, progress=False)
@@ -176,13 +189,7 @@ def test_validation_picks_the_blend_by_replaying_its_rows(setup, smollm2, smollm
     assert by == "replay" and set(scores) == {"0.5", "1.0"} and all(v >= 1.0 for v in scores.values())
     assert info["blend"] == max((1.0, 0.5), key=lambda a: (scores[str(a)], a))
 
-    shipped = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
-    state = {k: v.clone() for k, v in shipped.state_dict().items()}
-    noise = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for prm in noise.parameters():
-            prm.copy_(torch.randn(prm.shape, generator=g, dtype=prm.dtype) * 0.02)
+    state, noise = _shipped_state_and_noise(smollm2)
     rows = [(ids[:start], ids[start:]) for ids, start in smollm2_pairs[:2]]
     real = dataclasses.replace(cfg, blend_choices=[0.01, 1.0])
     alpha, got = choose_blend(real, noise, state, smollm2, [rows[0]], rows)
@@ -198,7 +205,6 @@ def test_the_general_check_keeps_a_regressing_blend_from_being_picked(setup, smo
     agent rows score it, and when every one does the least regressing is kept."""
     from dspine.adapt.evaluation import BENCHMARKS
     from dspine.adapt.finetuning import allowed_blends, choose_blend, general_validation_rows
-    from dspine.checkpoint import resolve_drafter
     from dspine.engine import Engine
     from dspine.sampling import SamplingParams
     from dspine.workloads import load_benchmark
@@ -216,13 +222,7 @@ def test_the_general_check_keeps_a_regressing_blend_from_being_picked(setup, smo
         want = Engine(smollm2, None).generate(prompt, SamplingParams(max_tokens=6, temperature=0.0)).token_ids
         assert answer == list(want)
 
-    shipped = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
-    state = {k: v.clone() for k, v in shipped.state_dict().items()}
-    noise = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for prm in noise.parameters():
-            prm.copy_(torch.randn(prm.shape, generator=g, dtype=prm.dtype) * 0.02)
+    state, noise = _shipped_state_and_noise(smollm2)
     agent = [(ids[:start], ids[start:]) for ids, start in smollm2_pairs[:1]]
     cfg = dataclasses.replace(
         _cfg(setup, name="gen", workers=0, blend_choices=[0.01, 1.0]), general_validation=1, general_max_new_tokens=16

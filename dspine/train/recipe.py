@@ -367,11 +367,16 @@ def run_eval_stage(cfg: RecipeConfig, work: str | Path, out_json: str | Path, pr
         drafter_paths=specs,
         trees=trees,
     )
+    write_results(_with_run(doc, cfg, work), out_json)
+    return doc
+
+
+def _with_run(doc: dict, cfg: RecipeConfig, work: Path) -> dict:
+    """An evaluation document with the recipe it ran and the training run's report (when there is one)."""
     doc["recipe"] = asdict(cfg)
     rep = work / "train_report.json"
     if rep.is_file():
         doc["train_report"] = json.loads(rep.read_text())
-    write_results(doc, out_json)
     return doc
 
 
@@ -394,11 +399,7 @@ def _replay_eval(cfg: RecipeConfig, work: Path, specs: dict, out_json: str | Pat
         _, held = split_heldout(samples, cfg.heldout, cfg.train.seed, cfg.train.max_len, added)
         losses = {n: variants[n].loss for n in specs}
         doc["heldout"] = heldout_stats(drafters, target, held, cfg.train, losses=losses)
-    doc["recipe"] = asdict(cfg)
-    rep = work / "train_report.json"
-    if rep.is_file():
-        doc["train_report"] = json.loads(rep.read_text())
-    write_replay_results(doc, out_json)
+    write_replay_results(_with_run(doc, cfg, work), out_json)
     return doc
 
 
