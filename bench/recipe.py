@@ -9,8 +9,9 @@ Several GPUs: `torchrun --nproc_per_node N bench/recipe.py --stage train ...` tr
 global batch split over the GPUs; same data and steps as one process — on 2 H200s a step took 0.19 s vs
 0.21 s on one, so raise train.batch_size with N); the other stages stay one process.
 The shipped base drafter: --base (then warm_from=<previous ship folder> to continue it, --ship DIR to write it).
-The levers over DFlash (RecipeConfig.levers: slot 1's CE share, the cosine weight, 8 layers, each beside its DFlash
-twin in lockstep; evaluated by replay, 30 items x 512 tokens, each ratio with a bootstrap interval): --levers, e.g.
+The levers over DFlash (RecipeConfig.levers: slot 1's CE share, the cosine weight, slot 1 without the anchor's write,
+the readouts' scale, 8 layers, each beside its DFlash twin in lockstep; evaluated by replay, 30 items x 512 tokens,
+each ratio with a bootstrap interval): --levers, e.g.
     python bench/recipe.py --levers --stage eval --work /tmp/levers --out $OUT/ratio_levers.json
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
 The curve across runs that continued one another: --stage curve --reports gpu3=A.json gpu4=B.json --out c.svg
