@@ -182,3 +182,5 @@ def test_scale_weight_pulls_the_readouts_norm_to_the_codes(tiny):
     assert res["scale"] == pytest.approx(0.0, abs=1e-9) and r > 1
     with pytest.raises(ConfigError, match="scale_weight must be >= 0"):
         TrainConfig(scale_weight=-1.0).validate()
+    with pytest.raises(ConfigError, match="scale_weight must be >= 0"):
+        loss_kw(TrainConfig(), {"scale_weight": -1.0})  # an ablation's override too

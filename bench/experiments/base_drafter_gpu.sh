@@ -34,7 +34,7 @@
 # PRESET=levers NAME=ratio_levers: issue 50's levers instead (RecipeConfig.levers: DSpine, DFlash and the lever
 # variants in lockstep from fresh weights; `eval` replays 30 items x 512 tokens per benchmark and writes
 # $OUT/ratio_levers.{json,md,svg} and the train report, nothing shipped); the same stages otherwise, with BS=N
-# given (the batch-size probe, bench/train_step.py, times the base pair, not eight drafters).
+# given (the batch-size probe, bench/train_step.py, times the base pair, not the ten drafters of the levers).
 # PROFILE=1 with BS=N: `start` profiles N's step (bench/train_step.py --profile) instead of probing sizes.
 # EXTRA="key=value ...": more recipe overrides for every stage of the call (e.g. sampled_num_prompts=600 for a
 # shorter regeneration, eval_temperatures=[0.0]); give a call the same ones as the calls before it.

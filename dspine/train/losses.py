@@ -404,4 +404,6 @@ def loss_kw(cfg: TrainConfig, override: dict | None) -> dict:
         raise ConfigError(f"soft_labels is a weight in [0, 1] (0: hard labels only), got {kw['soft_labels']}")
     if not 0 <= kw["redo_split"] <= 1:
         raise ConfigError(f"redo_split is a share in [0, 1] (0: the redo CE added on top), got {kw['redo_split']}")
+    if kw["scale_weight"] < 0:
+        raise ConfigError(f"scale_weight must be >= 0, got {kw['scale_weight']}")
     return kw
