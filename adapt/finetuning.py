@@ -367,8 +367,10 @@ def choose_blend(
     if cfg.general_validation and base_state is not None:
         base = copy.deepcopy(drafter)
         base.load_state_dict(base_state)
+        from dspine.eval.acceptance import replay_grouped
+
         grows, groups = general_validation_rows(target, cfg.general_validation, cfg.general_max_new_tokens)
-        general = replay_taus(target, {"base": base, **cands}, grows, groups=groups)
+        general = replay_grouped(target, {"base": base, **cands}, grows, groups, 16, progress=False)["mean"]
         regression = {a: 1 - general[str(a)] / general["base"] for a in cfg.blend_choices}
         allowed = allowed_blends(regression, cfg.max_general_regression)
         report = {
@@ -401,26 +403,19 @@ def general_validation_rows(target, n: int, max_new_tokens: int) -> tuple[list, 
     return greedy_answers(target, [it.turns[0] for _, it in items], max_new_tokens), [b for b, _ in items]
 
 
-def replay_taus(
-    target, drafters: dict, rows: list, batch_size: int = 16, groups: list[str] | None = None
-) -> dict[str, float]:
+def replay_taus(target, drafters: dict, rows: list, batch_size: int = 16) -> dict[str, float]:
     """Each drafter's pooled τ over `rows` (prompt ids, completion ids), replayed through the engine from the
-    exact prefixes (dspine.eval.acceptance.replay, as adapt/evaluate.py measures the test part); with `groups`
-    (one label per row) the mean over groups of each group's pooled τ, as the gate averages its benchmarks."""
+    exact prefixes (dspine.eval.acceptance.replay, as adapt/evaluate.py measures the test part)."""
     from dspine.eval.acceptance import replay
     from dspine.stats import AcceptanceStats
 
-    labels = groups or [""] * len(rows)
     jobs = [(n, list(p), list(c)) for p, c in rows for n in drafters]
     res = replay(target, drafters, jobs, progress=False, batch_size=batch_size)
     pooled: dict = {}
-    for k, ((n, _, _), r) in enumerate(zip(jobs, res)):
-        st, key = AcceptanceStats(r["block_size"], r["accept_hist"]), (n, labels[k // len(drafters)])
-        pooled[key] = st if key not in pooled else pooled[key].merge(st)
-    out: dict = {}
-    for (n, _), st in pooled.items():
-        out.setdefault(n, []).append(st.tau)
-    return {n: sum(v) / len(v) for n, v in out.items()}
+    for (n, _, _), r in zip(jobs, res):
+        st = AcceptanceStats(r["block_size"], r["accept_hist"])
+        pooled[n] = st if n not in pooled else pooled[n].merge(st)
+    return {n: st.tau for n, st in pooled.items()}
 
 
 def _ray_worker(conf: dict) -> None:

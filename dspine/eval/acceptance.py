@@ -235,29 +235,10 @@ def replay_benchmarks(
     items; `mean`: the benchmarks' pooled τ averaged."""
     items = [(b, it.turns[0]) for b in benchmarks for it in load_benchmark(b, limit)]
     answers = greedy_answers(target, [t for _, t in items], max_new_tokens, batch_size)
-    jobs = [(n, p, a) for p, a in answers for n in drafters]
-    res = replay(target, drafters, jobs, progress=progress, batch_size=batch_size)
-    per: dict = {}
-    for k, r in enumerate(res):
-        b, n = items[k // len(drafters)][0], jobs[k][0]
-        per.setdefault(b, {}).setdefault(n, []).append(AcceptanceStats(r["block_size"], r["accept_hist"]))
-    results = {
-        b: {
-            n: {
-                **summarize(sts),
-                "per_request_tau": [s.tau for s in sts],
-                "per_request": [[s.accepted, s.rounds] for s in sts],
-            }
-            for n, sts in by_name.items()
-        }
-        for b, by_name in per.items()
-    }
-    every = {n: [s for b in per for s in per[b][n]] for n in drafters}
+    doc = replay_grouped(target, drafters, answers, [b for b, _ in items], batch_size, progress)
     return {
         "mode": "replay",
-        "results": results,
-        "pooled": {n: summarize(sts) for n, sts in every.items()},
-        "mean": {n: sum(results[b][n]["tau_pooled"] for b in results) / len(results) for n in drafters},
+        **doc,
         "items": {b: sum(1 for x, _ in items if x == b) for b in benchmarks},
         "tokens": sum(len(a) for _, a in answers),
         "limit": limit,
@@ -266,6 +247,36 @@ def replay_benchmarks(
         "dtype": str(target.dtype).replace("torch.", ""),
         **provenance(),
         "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
+    }
+
+
+def replay_grouped(
+    target, drafters: dict, answers: list, groups: list[str], batch_size: int = 32, progress: bool = True
+) -> dict:
+    """Every drafter replayed on each (prompt ids, answer ids) of `answers`, batched; `groups` labels each answer
+    (its benchmark) -> {"results": {group: {drafter: summarize's figures, per-item τ and (accepted, rounds)}},
+    "pooled": {drafter: over all answers}, "mean": {drafter: the groups' pooled τ averaged}}."""
+    jobs = [(n, p, a) for p, a in answers for n in drafters]
+    res = replay(target, drafters, jobs, progress=progress, batch_size=batch_size)
+    per: dict = {}
+    for k, r in enumerate(res):
+        g, n = groups[k // len(drafters)], jobs[k][0]
+        per.setdefault(g, {}).setdefault(n, []).append(AcceptanceStats(r["block_size"], r["accept_hist"]))
+    results = {
+        g: {
+            n: {
+                **summarize(sts),
+                "per_request_tau": [s.tau for s in sts],
+                "per_request": [[s.accepted, s.rounds] for s in sts],
+            }
+            for n, sts in by_name.items()
+        }
+        for g, by_name in per.items()
+    }
+    return {
+        "results": results,
+        "pooled": {n: summarize([s for g in per for s in per[g][n]]) for n in drafters},
+        "mean": {n: sum(results[g][n]["tau_pooled"] for g in results) / len(results) for n in drafters},
     }
 
 
