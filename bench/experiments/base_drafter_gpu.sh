@@ -51,13 +51,19 @@
 # Calls chain within the machine's 30 s idle release: have the next command ready; a machine given back between
 # `start` and `more` loses /tmp/base (session 29 lost a regeneration so) — hence `start` returns the data it
 # regenerated, as data.tar.* in $OUT, for `stage`.
-# Everything lives in /tmp/base on the machine (kept while it stays warm); what comes back is in $OUT.
+# Everything lives in /tmp/base on the machine (kept while it stays warm; WORK=DIR another folder); what comes back
+# is in $OUT. A second seed on the same data, on the same warm machine: WORK=/tmp/s2 DATA_FROM=/tmp/base
+# EXTRA=train.seed=1 with `start` (its data sets are linked from DATA_FROM, so nothing is regenerated), then `eval`
+# with the same WORK and EXTRA and another NAME. BUDGET=S gives both seeds the same training seconds.
 set -euo pipefail
 t0=$(date +%s)
 [ "$1" = stage ] || [ -f /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || bash .carry/m2/join
 export PYTHONPATH=/tmp/site:$PWD
-W=/tmp/base
+W=${WORK:-/tmp/base}
 mkdir -p $W
+if [ -n "${DATA_FROM:-}" ]; then
+  for d in "$DATA_FROM"/data*; do [ -e "$W/$(basename "$d")" ] || ln -s "$d" "$W/"; done
+fi
 # each method's drafter in the shipped format (bf16, no derived buffers), once: WHICH=best (default) or last
 ship() { [ -d $W/ship ] || python -c "from dspine.train.recipe import RecipeConfig as R, ship_drafters as s
 s(R.base_drafter(), '$W', '$W/ship', which='${WHICH:-best}')"; }
