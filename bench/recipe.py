@@ -15,6 +15,8 @@ each ratio with a bootstrap interval): --levers, e.g.
     python bench/recipe.py --levers --stage eval --work /tmp/levers --out $OUT/ratio_levers.json
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
 The curve across runs that continued one another: --stage curve --reports gpu3=A.json gpu4=B.json --out c.svg
+The levers' replay evaluations of two seeds (train.seed=0 and 1) as one table, each ratio over both seeds with its
+interval: --stage seeds --reports s0.json s1.json --out bench/results/ratio_levers.json [--summary ...]
 Overrides: dotted keys of dspine.train.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
 """
 
@@ -25,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspine.config import apply_overrides, from_dict
+from dspine.eval.acceptance import combine_seeds, write_seeds_results
 from dspine.io import atomic_write_text, update_summary
 from dspine.train.recipe import (
     RecipeConfig,
@@ -37,15 +40,41 @@ from dspine.train.recipe import (
 )
 
 
+def curve(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    if not (a.reports and a.out):
+        ap.error("--stage curve needs --reports and --out (an .svg)")
+    named = [r.split("=", 1) if "=" in r else (Path(r).stem, r) for r in a.reports]
+    reps = [json.loads(Path(path).read_text()) for _, path in named]
+    reps = [r.get("train_report", r) for r in reps]  # an eval JSON holds its run's train report
+    atomic_write_text(a.out, lineage_chart(reps, [name for name, _ in named]))
+    print(a.out)
+    return 0
+
+
+def seeds(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    if not (a.reports and len(a.reports) > 1 and a.out):
+        ap.error("--stage seeds needs --reports (two or more replay evaluations) and --out (a .json)")
+    try:
+        doc = combine_seeds([json.loads(Path(r).read_text()) for r in a.reports])
+    except (OSError, ValueError, KeyError) as e:
+        ap.error(f"--stage seeds: {e}")
+    write_seeds_results(doc, a.out)
+    print(Path(a.out).with_suffix(".md").read_text())
+    if a.summary:
+        update_summary(a.summary, "acceptance", acceptance_summary(doc))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("regen", "train", "eval", "all", "curve"), required=True)
+    ap.add_argument("--stage", choices=("regen", "train", "eval", "all", "curve", "seeds"), required=True)
     ap.add_argument("--work", help="folder for the dataset and the trained drafters (every stage but curve)")
     ap.add_argument(
         "--reports",
         nargs="+",
         metavar="JSON",
-        help="curve: [NAME=]train report (or eval JSON) of runs that continued one another, oldest first",
+        help="curve: [NAME=]train report (or eval JSON) of runs that continued one another, oldest first; "
+        "seeds: replay evaluations of one recipe under different train.seed",
     )
     ap.add_argument("--out", help="eval JSON (a .md table beside it)")
     ap.add_argument("--summary", help="summary.json whose acceptance section the eval stage rewrites")
@@ -65,15 +94,8 @@ def main() -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    if a.stage == "curve":
-        if not (a.reports and a.out):
-            ap.error("--stage curve needs --reports and --out (an .svg)")
-        named = [r.split("=", 1) if "=" in r else (Path(r).stem, r) for r in a.reports]
-        reps = [json.loads(Path(path).read_text()) for _, path in named]
-        reps = [r.get("train_report", r) for r in reps]  # an eval JSON holds its run's train report
-        atomic_write_text(a.out, lineage_chart(reps, [name for name, _ in named]))
-        print(a.out)
-        return 0
+    if a.stage in ("curve", "seeds"):
+        return (curve if a.stage == "curve" else seeds)(ap, a)
     if not a.work:
         ap.error("--work is needed for this stage")
     if sum((a.tiny, a.base, a.levers)) > 1:

@@ -10,7 +10,15 @@ import torch
 from dspine.checkpoint import load_drafter, resolve_drafter
 from dspine.config import ConfigError
 from dspine.engine import Engine
-from dspine.eval.acceptance import greedy_answers, pair_ratios, replay, replay_benchmarks, replay_markdown
+from dspine.eval.acceptance import (
+    combine_seeds,
+    greedy_answers,
+    pair_ratios,
+    replay,
+    replay_benchmarks,
+    replay_markdown,
+    seeds_markdown,
+)
 from dspine.sampling import SamplingParams
 from dspine.train.recipe import RecipeConfig, acceptance_summary
 from dspine.workloads import load_benchmark
@@ -69,3 +77,70 @@ def test_the_recipe_replay_evaluation_refuses_what_it_cannot_do():
         dataclasses.replace(cfg, eval_mode="replay", eval_top_k=[2]).validate()
     with pytest.raises(ConfigError, match="eval_pairs"):
         dataclasses.replace(cfg, eval_mode="replay", eval_pairs={"dspine": "medusa"}).validate()
+
+
+def _seed_doc(seed: int, rows: dict) -> dict:
+    """A replay document as the recipe writes it, from {benchmark: {drafter: [(accepted, rounds), ...]}}."""
+    tau = lambda rs: sum(a + r for a, r in rs) / sum(r for _, r in rs)
+    names = list(next(iter(rows.values())))
+    doc = {
+        "mode": "replay",
+        "results": {
+            b: {n: {"tau_pooled": tau(rs), "per_request": [list(x) for x in rs]} for n, rs in by.items()}
+            for b, by in rows.items()
+        },
+        "pooled": {n: {"tau_pooled": tau([x for by in rows.values() for x in by[n]])} for n in names},
+        "mean": {n: sum(tau(by[n]) for by in rows.values()) / len(rows) for n in names},
+        "items": {b: len(next(iter(by.values()))) for b, by in rows.items()},
+        "limit": 3,
+        "max_new_tokens": 64,
+        "target": "t",
+        "tokens": 500,
+        "recipe": {"train": {"seed": seed}},
+        "train_report": {"train": {"steps": 10 + seed, "seconds": 60.0}},
+        "heldout": {n: {"tau_sim": 2.0 + seed, "slot_acc": [0.6, 0.4]} for n in names},
+        "git_sha": "abc",
+        "command": "cmd",
+        "hardware": "hw",
+    }
+    doc["pairs"] = pair_ratios(doc, {"v": "twin"}, draws=300)
+    return doc
+
+
+def test_seeds_combine_into_one_ratio_over_every_seeds_items_with_each_seed_beside():
+    s0 = {
+        "a": {"v": [(6, 3), (2, 2), (9, 3)], "twin": [(4, 3), (2, 2), (6, 3)]},
+        "b": {"v": [(3, 2), (8, 4), (1, 1)], "twin": [(2, 2), (8, 5), (1, 1)]},
+    }
+    s1 = {
+        "a": {"v": [(5, 3), (3, 2), (7, 3)], "twin": [(5, 3), (1, 2), (7, 3)]},
+        "b": {"v": [(2, 2), (9, 4), (2, 1)], "twin": [(2, 2), (6, 4), (0, 1)]},
+    }
+    d0, d1 = _seed_doc(0, s0), _seed_doc(1, s1)
+    doc = combine_seeds([d0, d1], draws=300)
+    p = doc["pairs"]["v"]
+    every = [(a, b) for s in (s0, s1) for by in s.values() for a, b in zip(by["v"], by["twin"])]
+    tv = sum(a + r for (a, r), _ in every) / sum(r for (_, r), _ in every)
+    tt = sum(a + r for _, (a, r) in every) / sum(r for _, (_, r) in every)
+    assert p["ratio_pooled"] == pytest.approx(tv / tt) and p["items"] == 6  # items, not rows: seeds go together
+    assert p["ratio_ci"][0] <= p["ratio_pooled"] <= p["ratio_ci"][1]
+    assert [x["ratio_pooled"] for x in p["per_seed"]] == [
+        d0["pairs"]["v"]["ratio_pooled"],
+        d1["pairs"]["v"]["ratio_pooled"],
+    ]
+    assert doc["seeds"] == [0, 1] and doc["mean"]["v"] == pytest.approx((d0["mean"]["v"] + d1["mean"]["v"]) / 2)
+    md = seeds_markdown(doc)
+    assert "| v | twin |" in md and "seed 1" in md and "11 steps" in md
+    summary = acceptance_summary(doc)
+    assert summary["mode"] == "replay_seeds" and summary["seeds"] == [0, 1] and summary["best_pair"] == "v"
+    assert summary["ratio_pooled"] == p["ratio_pooled"] and summary["items_per_benchmark"] == 3
+    # not comparable: other items, another token limit, other pairs, one seed
+    short = _seed_doc(1, {b: {n: rs[:2] for n, rs in by.items()} for b, by in s1.items()})
+    with pytest.raises(ValueError, match="items"):
+        combine_seeds([d0, short])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        combine_seeds([d0, {**d1, "max_new_tokens": 512}])
+    with pytest.raises(ValueError, match="pairs"):
+        combine_seeds([d0, {**d1, "pairs": {}}])
+    with pytest.raises(ValueError, match="two or more"):
+        combine_seeds([d0])

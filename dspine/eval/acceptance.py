@@ -288,18 +288,8 @@ def pair_ratios(doc: dict, pairs: dict[str, str], draws: int = 2000) -> dict:
 
     out = {}
     for v, twin in pairs.items():
-        rows = [  # one item: (accepted, rounds) of the variant and of its twin
-            (a, b)
-            for bench in doc["results"].values()
-            for a, b in zip(bench[v]["per_request"], bench[twin]["per_request"])
-        ]
-
-        def ratio(xs):
-            tv = sum(a[0] + a[1] for a, _ in xs) / max(1, sum(a[1] for a, _ in xs))
-            tt = sum(b[0] + b[1] for _, b in xs) / max(1, sum(b[1] for _, b in xs))
-            return {"ratio": tv / tt if tt else 0.0}
-
-        ci = bootstrap_over_groups([[r] for r in rows], ratio, draws)["ratio"]
+        rows = _pair_rows(doc, v, twin)
+        ci = bootstrap_over_groups([[r] for r in rows], lambda xs: {"ratio": _pooled_ratio(xs)}, draws)["ratio"]
         pv, pt = doc["pooled"][v]["tau_pooled"], doc["pooled"][twin]["tau_pooled"]
         out[v] = {
             "twin": twin,
@@ -310,6 +300,141 @@ def pair_ratios(doc: dict, pairs: dict[str, str], draws: int = 2000) -> dict:
             "ratio_mean": doc["mean"][v] / doc["mean"][twin],
             "items": len(rows),
         }
+    return out
+
+
+def _pair_rows(doc: dict, v: str, twin: str) -> list[tuple]:
+    """One (accepted, rounds) pair per item, the variant's and its twin's, in the document's item order."""
+    return [
+        (a, b) for bench in doc["results"].values() for a, b in zip(bench[v]["per_request"], bench[twin]["per_request"])
+    ]
+
+
+def _pooled_ratio(rows) -> float:
+    tv = sum(a[0] + a[1] for a, _ in rows) / max(1, sum(a[1] for a, _ in rows))
+    tt = sum(b[0] + b[1] for _, b in rows) / max(1, sum(b[1] for _, b in rows))
+    return tv / tt if tt else 0.0
+
+
+def combine_seeds(docs: list[dict], draws: int = 2000) -> dict:
+    """Replay documents (`replay_benchmarks` + `pairs`) of one recipe trained under different seeds, on the same
+    items -> one document: per pair each seed's pooled τ and ratio with its interval, and the ratio pooled over
+    every seed's rows with a 95% bootstrap interval over items (an item's rows of all seeds resampled together:
+    the interval is the items' spread; the seeds' spread is the per-seed ratios beside it). ValueError when the
+    documents are not comparable (other items, token limits or pairs)."""
+    from dspine.stats import bootstrap_over_groups
+
+    if len(docs) < 2:
+        raise ValueError(f"combine_seeds: {len(docs)} document(s); two or more seeds to combine")
+    first = docs[0]
+    for k, d in enumerate(docs[1:], 2):
+        if d.get("mode") != "replay" or not d.get("pairs"):
+            raise ValueError(f"combine_seeds: document {k} is not a replay evaluation with pairs")
+        for key in ("items", "max_new_tokens", "target"):
+            if d.get(key) != first.get(key):
+                raise ValueError(
+                    f"combine_seeds: document {k}'s {key} {d.get(key)!r} != the first's {first.get(key)!r}"
+                )
+        twins = {v: p["twin"] for v, p in d["pairs"].items()}
+        if twins != {v: p["twin"] for v, p in first["pairs"].items()}:
+            raise ValueError(f"combine_seeds: document {k} pairs {twins}, the first {list(first['pairs'])}")
+    seeds = [((d.get("recipe") or {}).get("train") or {}).get("seed") for d in docs]
+    pairs = {}
+    for v, p in first["pairs"].items():
+        per_seed = [_pair_rows(d, v, p["twin"]) for d in docs]
+        if len({len(r) for r in per_seed}) != 1:
+            raise ValueError(f"combine_seeds: {v}: the documents hold different numbers of items")
+        groups = [list(item) for item in zip(*per_seed)]  # an item's rows of every seed, resampled together
+        ci = bootstrap_over_groups(groups, lambda xs: {"ratio": _pooled_ratio(xs)}, draws)["ratio"]
+        pairs[v] = {
+            "twin": p["twin"],
+            "ratio_pooled": _pooled_ratio([r for rows in per_seed for r in rows]),
+            "ratio_ci": ci,
+            "per_seed": [
+                {
+                    k: d["pairs"][v][k]
+                    for k in ("tau_pooled", "twin_tau_pooled", "ratio_pooled", "ratio_ci", "ratio_mean")
+                }
+                for d in docs
+            ],
+            "items": len(groups),
+        }
+    names = list(first["pooled"])
+    avg = lambda xs: sum(xs) / len(xs)
+    return {
+        "mode": "replay_seeds",
+        "seeds": seeds,
+        "items": first["items"],
+        "limit": first["limit"],
+        "max_new_tokens": first["max_new_tokens"],
+        "target": first["target"],
+        "tokens": [d["tokens"] for d in docs],
+        "pooled": {n: {"tau_pooled": avg([d["pooled"][n]["tau_pooled"] for d in docs])} for n in names},
+        "mean": {n: avg([d["mean"][n] for d in docs]) for n in names},
+        "results": {
+            b: {n: {"tau_pooled": avg([d["results"][b][n]["tau_pooled"] for d in docs])} for n in names}
+            for b in first["results"]
+        },
+        "pairs": pairs,
+        "heldout": [d.get("heldout") for d in docs],
+        "train": [(d.get("train_report") or {}).get("train") for d in docs],
+        "runs": [{k: d.get(k) for k in ("git_sha", "command", "hardware")} for d in docs],
+        "git_sha": first.get("git_sha"),
+        "command": first.get("command"),
+        "hardware": first.get("hardware"),
+    }
+
+
+def seeds_markdown(doc: dict) -> str:
+    """A combine_seeds document as Markdown: τ per benchmark (the seeds' average), each pair's ratio over all
+    seeds with its interval beside each seed's, and every seed's held-out per-slot accuracy."""
+    res, names, n = doc["results"], list(doc["pooled"]), len(doc["seeds"])
+    lines = [
+        f"T = 0, replayed on the target's greedy answers, {n} seeds ({', '.join(map(str, doc['seeds']))}): "
+        f"{sum(doc['items'].values())} items per seed ({', '.join(f'{b} {k}' for b, k in doc['items'].items())}), "
+        f"{doc['max_new_tokens']} new tokens at most; τ is the seeds' average\n",
+        md_table(
+            ["drafter", *res, "pooled", "mean"],
+            [
+                [m, *(f"{res[b][m]['tau_pooled']:.3f}" for b in res), f"{doc['pooled'][m]['tau_pooled']:.3f}"]
+                + [f"{doc['mean'][m]:.3f}"]
+                for m in names
+            ],
+        ),
+        "\n**Over the twin** (ratio pooled over every seed's items, 95% bootstrap over items; each seed's beside)\n",
+    ]
+    band = lambda ci: f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else ""
+    rows = [
+        [v, p["twin"], f"{p['ratio_pooled']:.3f}{band(p['ratio_ci'])}"]
+        + [f"{s['ratio_pooled']:.3f}{band(s['ratio_ci'])}" for s in p["per_seed"]]
+        + [p["items"]]
+        for v, p in doc["pairs"].items()
+    ]
+    lines.append(md_table(["drafter", "twin", "ratio, all seeds", *(f"seed {s}" for s in doc["seeds"]), "items"], rows))
+    for seed, held in zip(doc["seeds"], doc["heldout"]):
+        if not held:
+            continue
+        shown = min(8, max(len(h["slot_acc"]) for h in held.values()))
+        lines += [
+            f"\n**Held-out anchors, seed {seed}** (the same anchors for every drafter: τ_sim, per-slot accuracy)\n"
+        ]
+        lines.append(
+            md_table(
+                ["drafter", "τ_sim", *(f"slot {i + 1}" for i in range(shown))],
+                [[m, f"{h['tau_sim']:.3f}", *(f"{a:.3f}" for a in h["slot_acc"][:shown])] for m, h in held.items()],
+            )
+        )
+    for seed, run, tr in zip(doc["seeds"], doc["runs"], doc["train"]):
+        steps = f"{tr['steps']} steps, {tr['seconds']:.0f} s, " if tr else ""
+        lines.append(f"\nseed {seed}: {steps}{run['git_sha']} · {run['hardware']} · `{run['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_seeds_results(doc: dict, out: str | Path) -> Path:
+    """A combine_seeds document's JSON and its Markdown beside it."""
+    out = Path(out)
+    atomic_write_text(out, json_text(doc))
+    atomic_write_text(out.with_suffix(".md"), seeds_markdown(doc))
     return out
 
 

@@ -420,9 +420,9 @@ def ship_drafters(cfg: RecipeConfig, work: str | Path, dest: str | Path, which: 
 
 
 def acceptance_summary(doc: dict) -> dict:
-    """The `acceptance` section of bench/results/summary.json (a replay document: T = 0 figures, every pair's
-    ratio, and at the top the best pair's `ratio_pooled` and `ratio_ci`)."""
-    if doc.get("mode") == "replay":
+    """The `acceptance` section of bench/results/summary.json (a replay document, or several seeds' combined: T = 0
+    figures, every pair's ratio, and at the top the best pair's `ratio_pooled` and `ratio_ci`)."""
+    if doc.get("mode") in ("replay", "replay_seeds"):
         pairs = doc.get("pairs") or {}
         best = max(pairs, key=lambda v: pairs[v]["ratio_pooled"], default=None)
         return {
@@ -435,7 +435,8 @@ def acceptance_summary(doc: dict) -> dict:
             "ratio_ci": pairs[best]["ratio_ci"] if best else None,
             "items_per_benchmark": doc["limit"],
             "max_new_tokens": doc["max_new_tokens"],
-            "mode": "replay",
+            "mode": doc["mode"],
+            **({"seeds": doc["seeds"]} if "seeds" in doc else {}),
             "git_sha": doc["git_sha"],
             "command": doc["command"],
             "hardware": doc["hardware"],
