@@ -798,3 +798,68 @@ def test_sigterm_of_the_proxy_during_streams_keeps_every_row_and_a_restart_takes
         assert {r["request_id"] for r in AcceptanceStore(cfg.db).rows()} == {*started, again.id}
     finally:
         stop_proxy(proc)
+
+
+def _record_of(base: str, rid: str) -> dict | None:
+    """A dspine serve backend's own record of request `rid`, or None where it has none."""
+    try:
+        return read_json_url(f"{base}/v1/dspine/requests/{rid}")
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
+
+
+def test_replicas_of_one_name_share_its_traffic_and_each_request_is_read_from_the_one_that_served_it(
+    stack, smollm2_drafters
+):
+    """--backend NAME=URL twice (distinct URLs): one model, two `dspine serve` replicas; concurrent requests spread
+    over both, and each stored row carries the acceptance of the replica that answered it (its own record, asked
+    from that replica); the same name and URL twice is refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from dspine.config import ConfigError
+    from dspine.serve.proxy import Backend, ProxyConfig, start_proxy, stop_proxy
+
+    tmp = stack["tmp"]
+    ckpt = save_drafter(smollm2_drafters["dspine"][0], tmp / "replica")  # another drafter: its own τ and name
+    with running_server(ckpt, "smol-backend") as second:
+        servers = (stack["server"], second)
+        cfg = ProxyConfig(
+            backends=[Backend("pair", s + "/v1", "smol-backend") for s in servers],
+            port=free_port(),
+            db=str(tmp / "replicas.db"),
+            workdir=str(tmp / "litellm-replicas"),
+        )
+        with open(tmp / "replicas.log", "w") as log:
+            proc = start_proxy(cfg, key=KEY, log=log, read_key=READ_KEY)
+        try:
+            client = OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key=KEY)
+
+            def ask(i):
+                msg = [{"role": "user", "content": f"Count to {i}."}]
+                kw = dict(model="pair", max_tokens=6, temperature=0, messages=msg, metadata={"workload": "replicas"})
+                return client.chat.completions.create(**kw).id
+
+            with ThreadPoolExecutor(4) as ex:
+                sent = list(ex.map(ask, range(16)))
+            rows = _wait_rows(cfg.db, len(sent))
+            assert sorted(r["request_id"] for r in rows) == sorted(sent)
+            served = {s: 0 for s in servers}
+            for r in rows:
+                records = {s: _record_of(s, r["request_id"]) for s in servers}
+                (owner,) = [s for s, rec in records.items() if rec is not None]
+                own = records[owner]
+                served[owner] += 1
+                assert r["source"] == "backend_record" and r["model"] == "pair" and r["workload"] == "replicas"
+                assert (
+                    r["drafter"] == own["drafter"] and r["accept_hist"] == own["spec"]["spec_correct_drafts_histogram"]
+                )
+            # 16 requests at random over two replicas: all on one has probability 2 / 2**16
+            assert min(served.values()) >= 1, served
+        finally:
+            stop_proxy(proc)
+    with pytest.raises(ConfigError, match="given twice"):
+        ProxyConfig(backends=[Backend("a", "http://127.0.0.1:9/v1"), Backend("a", "http://127.0.0.1:9/v1/")]).validate()

@@ -65,7 +65,8 @@ def add_proxy(sub) -> None:
         default=[],
         metavar="NAME=URL[@SERVED]",
         help="a backend (repeatable): the model name clients use = the backend's OpenAI base URL, "
-        "e.g. smol=http://127.0.0.1:8000/v1 (@SERVED: the backend's own model name, default dspine)",
+        "e.g. smol=http://127.0.0.1:8000/v1 (@SERVED: the backend's own model name, default dspine); one name "
+        "given several URLs is served by those replicas, each request by one of them at random",
     )
     px.add_argument(
         "--route",

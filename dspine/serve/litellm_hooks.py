@@ -63,8 +63,8 @@ class DSpineLogger(CustomLogger):
         super().__init__()
         self.read_key = read_key  # the backends' read key (dspine serve --read-key): their records are behind it
         self.routes = routes or {}  # WORKLOAD or WORKLOAD/LEVEL -> backend name (ProxyConfig.routes)
-        # backend name -> its OpenAI base, where its records are asked for
-        self.api_bases = api_bases or {}
+        # model name -> its backends' OpenAI bases (several: replicas), where their records are asked for
+        self.api_bases = {k: [v] if isinstance(v, str) else list(v) for k, v in (api_bases or {}).items()}
         self.store = AcceptanceStore(db)
         self.metrics = _metrics(metrics_port)
         self.fetch_timeout_s = fetch_timeout_s
@@ -109,6 +109,16 @@ class DSpineLogger(CustomLogger):
         lift_choice_fields(response, data)
         return response
 
+    def served_by(self, group: str | None, call_base: str | None) -> str | None:
+        """The configured base of the backend that answered: of the model's replicas, the one LiteLLM called
+        (its api_base for the call; that of a Responses call ends in /responses), else the model's only one."""
+        bases = self.api_bases.get(group) or []
+        call = (call_base or "").rstrip("/")
+        hit = [b for b in bases if call == b.rstrip("/") or call.startswith(b.rstrip("/") + "/")]
+        if hit:
+            return max(hit, key=len)
+        return bases[0] if len(bases) == 1 else call_base
+
     async def _backend_record(self, api_base: str | None, rid: str | None) -> dict | None:
         """The backend's record of request `rid`. A dspine backend that has not finished it yet (a stream the
         client abandoned ends at the backend's next round) answers 404 "no finished request": asked again
@@ -151,8 +161,7 @@ class DSpineLogger(CustomLogger):
         opt = kwargs.get("optional_params") or {}
         rid = backend_id(getattr(response_obj, "id", None))
         group = md.get("model_group") or kwargs.get("model")
-        # the backend's configured base (LiteLLM's api_base of a Responses call ends in /responses)
-        backend = await self._backend_record(self.api_bases.get(group) or lp.get("api_base"), rid)
+        backend = await self._backend_record(self.served_by(group, lp.get("api_base")), rid)
         spec, source = None, None
         if backend is not None:
             spec, source = backend.get("spec"), "backend_record"

@@ -59,8 +59,10 @@ class ProxyConfig:
         if self.body_timeout_s <= 0:
             raise ConfigError("proxy: --body-timeout must be > 0")
         names = [b.name for b in self.backends]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"proxy: backend names repeat: {names}")
+        seen = [(b.name, b.api_base.rstrip("/")) for b in self.backends]
+        if len(set(seen)) != len(seen):
+            twice = sorted({f"{n}={u}" for n, u in seen if seen.count((n, u)) > 1})
+            raise ConfigError(f"proxy: backend given twice: {twice} (replicas of one name need distinct URLs)")
         for b in self.backends:
             if not b.api_base.startswith(("http://", "https://")):
                 raise ConfigError(f"proxy: backend {b.name!r} needs an http(s) URL, got {b.api_base!r}")
@@ -114,15 +116,26 @@ def litellm_config(cfg: ProxyConfig) -> dict:
             "num_retries": 0,
             "request_timeout": cfg.timeout_s,
         },
-        # each model name has one backend: a failure (an endpoint the backend lacks, a 404) never cools it down,
-        # which would answer every other client 429 until the cooldown ends
-        "router_settings": {"disable_cooldowns": True},
+        # no cooldowns: a failure (an endpoint the backend lacks, a 404) would cool a backend down and answer every
+        # other client 429 until the cooldown ends; a replica that is down answers the requests it draws 503
+        # (the callbacks' unreachable check), which clients retry
+        # a name given several backends (replicas of one target) is one LiteLLM model group: each request goes to
+        # one of them at random (simple-shuffle), so concurrent clients spread over the replicas
+        "router_settings": {"disable_cooldowns": True, "routing_strategy": "simple-shuffle"},
         "general_settings": {
             "master_key": f"os.environ/{KEY_ENV}",
             "custom_auth": f"{CALLBACKS_MODULE}.auth",
             "always_include_stream_usage": True,  # a stream ends with its usage, as the server sends it
         },
     }
+
+
+def api_bases(cfg: ProxyConfig) -> dict[str, list[str]]:
+    """Model name -> the OpenAI bases of its backends (several: replicas), where the callbacks ask for records."""
+    out: dict[str, list[str]] = {}
+    for b in cfg.backends:
+        out.setdefault(b.name, []).append(b.api_base)
+    return out
 
 
 def write_proxy_files(cfg: ProxyConfig) -> Path:
@@ -154,9 +167,9 @@ def proxy_env(cfg: ProxyConfig, key: str, read_key: str | None = None) -> dict:
             KEY_ENV: key,
             "DSPINE_PROXY_DB": str(Path(cfg.db).resolve()),
             "DSPINE_PROXY_METRICS_PORT": str(cfg.metrics_port),
-            "DSPINE_PROXY_MODELS": ",".join(b.name for b in cfg.backends),
+            "DSPINE_PROXY_MODELS": ",".join(dict.fromkeys(b.name for b in cfg.backends)),
             "DSPINE_PROXY_ROUTES": json.dumps(cfg.routes),
-            "DSPINE_PROXY_API_BASES": json.dumps({b.name: b.api_base for b in cfg.backends}),
+            "DSPINE_PROXY_API_BASES": json.dumps(api_bases(cfg)),
             "DSPINE_PROXY_BODY_TIMEOUT": str(cfg.body_timeout_s),
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "LITELLM_TELEMETRY": "False",
