@@ -172,3 +172,31 @@ def test_finetune_settings_replace_the_recipe_and_malformed_ones_are_refused(tmp
     assert "train.lr=0.0001" in seen["args"]
     with pytest.raises(SystemExit):
         gpu_loop.parse(["adapt", "--finetune-set", "train.max_len"])
+
+
+def test_replicas_are_one_proxy_model_beside_the_first_alone_and_their_scaling_is_read_from_the_two_runs():
+    assert gpu_loop.proxy_backends("smol", [8001]) == ["smol=http://127.0.0.1:8001/v1@smol"]
+    got = gpu_loop.proxy_backends("smol", [8001, 8002, 8003])
+    assert got == [
+        "smol=http://127.0.0.1:8001/v1@smol",
+        "smol=http://127.0.0.1:8002/v1@smol",
+        "smol=http://127.0.0.1:8003/v1@smol",
+        "smol-1=http://127.0.0.1:8001/v1@smol",
+    ]
+    from dspine.serve.proxy import ProxyConfig, api_bases, parse_backend
+
+    cfg = ProxyConfig(backends=[parse_backend(b) for b in got])
+    cfg.validate()  # replicas of one name are accepted; each name's bases are where its records are read
+    assert api_bases(cfg) == {
+        "smol": [f"http://127.0.0.1:{p}/v1" for p in (8001, 8002, 8003)],
+        "smol-1": ["http://127.0.0.1:8001/v1"],
+    }
+    runs = {"1": {"rc": 0, "episodes_per_min": 10.0}, "3": {"rc": 0, "episodes_per_min": 27.0}}
+    sc = gpu_loop.replica_scaling(runs, 3)
+    assert sc["speedup"] == 2.7 and sc["efficiency"] == 0.9 and sc["runs"] is runs
+    assert (
+        gpu_loop.replica_scaling({"1": {"episodes_per_min": 0.0}, "2": {"episodes_per_min": 5.0}}, 2)["speedup"] is None
+    )
+    assert "efficiency 0.9" in gpu_loop.markdown({"replicas": sc})
+    with pytest.raises(SystemExit):
+        gpu_loop.parse(["up", "--replicas", "0"])

@@ -24,6 +24,9 @@ box whose calls are time-limited can run them one by one while the servers stay 
   report   τ per workload × level from the proxy's store before and after the deploy; JSON + Markdown (--out) and
            the `gpu_loop` section of --summary
   down     stops what `up` started (by the pids it recorded, checked against their start time and command line)
+  replicas (on its own, after `up --replicas N`) the replay collection of the same conversations through one
+           backend and through all N replicas behind the proxy (one model name, requests spread at random):
+           episodes per minute each, the speed-up and the scaling efficiency
   race     (SGLang only, on its own after `adapt`) AR, NGRAM without and with the training tasks' completions as
            its external corpus, the plugin with the base and the adapted drafter, on the test rows at
            --race-concurrency: τ, tokens/s and × AR
@@ -165,14 +168,14 @@ class Loop:
         self.result.setdefault("backend_restarts", []).append({"log": tail, "seconds": round(time.time() - t0, 1)})
         self.save()
 
-    def deploy_cfg(self, **kw):
+    def deploy_cfg(self, port: int | None = None, state: str = "backend.json", **kw):
         from dspine.adapt.deployment import DeployConfig
 
         return DeployConfig(
-            endpoint=f"http://127.0.0.1:{self.state['backend_port']}",
+            endpoint=f"http://127.0.0.1:{port or self.state['backend_port']}",
             admin_key=self.state["admin_key"],
             read_key=self.state["admin_key"],
-            state=str(self.work / "backend.json"),
+            state=str(self.work / state),
             target=self.a.target,
             history=str(self.work / "deploys.jsonl"),
             **kw,
@@ -210,6 +213,16 @@ class Loop:
             self.result["backend_start_s"] = round(time.time() - t1, 1)
             log(f"{self.a.backend} serves on {self.state['backend_port']} after {time.time() - t1:.0f} s")
             self.save()
+        # the replicas beyond the first: the same command on their own ports, each with its own state file (the
+        # deploy and the replay stages use the first)
+        while len(self.state.setdefault("replica_ports", [])) < self.a.replicas - 1:
+            port, k = free_port(), len(self.state["replica_ports"]) + 1
+            cfg = self.deploy_cfg(port=port, state=f"replica{k}.json", ready_timeout_s=self.a.ready_timeout)
+            t1 = time.time()
+            start_backend(cfg, self.backend_command().format(drafter=drafter, port=port), Path(cfg.state), drafter)
+            self.state["replica_ports"].append(port)
+            log(f"replica {k} serves on {port} after {time.time() - t1:.0f} s")
+            self.save()
         if "proxy" not in self.state:
             port = free_port()
             env = {
@@ -217,8 +230,10 @@ class Loop:
                 "DSPINE_PROXY_KEY": self.state["proxy_key"],
                 "DSPINE_READ_KEY": self.state["admin_key"],
             }
-            backend = f"{self.a.model}=http://127.0.0.1:{self.state['backend_port']}/v1@{self.a.model}"
-            cmd = [sys.executable, "-m", "dspine.cli", "proxy", "--backend", backend, "--port", str(port)]
+            ports = [self.state["backend_port"], *self.state["replica_ports"]]
+            cmd = [sys.executable, "-m", "dspine.cli", "proxy", "--port", str(port)]
+            for b in proxy_backends(self.a.model, ports):
+                cmd += ["--backend", b]
             cmd += ["--db", str(self.work / "proxy.db"), "--workdir", str(self.work / "proxy")]
             out = open(self.work / "proxy.log", "ab")
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -514,6 +529,36 @@ class Loop:
         self.save()
         log(f"broken drafter: {entry['action']} ({entry.get('reasons')}); serving {serving.get('drafter')}")
 
+    def replicas(self) -> None:
+        """The replay collection of the same conversations (--replica-conversations per workload) through one backend
+        (the proxy's `MODEL-1`) and through every replica (`MODEL`, requests spread at random), each into a fresh
+        folder, --concurrency episodes at once: episodes per minute, the speed-up, the scaling efficiency."""
+        self.need("proxy")
+        n = 1 + len(self.state.get("replica_ports", []))
+        if n < 2:
+            raise SystemExit("gpu_loop: the replicas stage needs `up --replicas N` with N >= 2")
+        endpoint = f"http://127.0.0.1:{self.state['proxy']['port']}/v1"
+        runs = {}
+        for k, model in ((1, f"{self.a.model}-1"), (n, self.a.model)):
+            out = self.work / f"replicas-{k}"
+            shutil.rmtree(out, ignore_errors=True)  # a rerun measures again, not a resumed collection
+            args = ["adapt/collect.py", "--source", "replay", "--conversations", self.a.conversations]
+            args += ["--endpoint", endpoint, "--api-key", self.state["proxy_key"], "--model", model]
+            args += ["--concurrency", str(self.a.concurrency), "--out", str(out), "--levels", "none"]
+            args += ["--max-tokens", str(self.a.replay_tokens), "--skip-oversize", "--max-context", str(self.a.context)]
+            args += ["--tokenizer", self.state.get("target_dir", self.a.target)]
+            args += ["--max-conversations", str(self.a.replica_conversations)]
+            args += ["--max-turns", str(self.a.replay_turns or 4)]
+            t0 = time.time()
+            rc = self.ray_job(args, f"replicas-{k}")
+            seconds = time.time() - t0
+            figures = trace_figures(out, seconds)
+            rows = sum(c["rows"] for c in figures["cells"].values())
+            runs[str(k)] = {"rc": rc, "seconds": round(seconds, 1), "rows": rows, **figures}
+        self.result["replicas"] = replica_scaling(runs, n)
+        self.save()
+        log(f"replicas: {json.dumps(self.result['replicas'])[:400]}")
+
     def race(self) -> None:
         """The race in SGLang on the held-out test rows (never the rows the corpus is built from): AR, NGRAM without
         and with the target's completions of the training tasks as its external corpus, the dspine plugin with the
@@ -619,9 +664,10 @@ class Loop:
         from dspine.adapt.deployment import stop_backend
         from dspine.process import same_process
 
-        b = _read_json(self.work / "backend.json")
-        if b:
-            stop_backend(b)
+        for f in [self.work / "backend.json", *sorted(self.work.glob("replica*.json"))]:
+            b = _read_json(f)
+            if b:
+                stop_backend(b)
         p = self.state.get("proxy")
         if p and same_process(p["pid"], p.get("identity")):
             import signal
@@ -634,7 +680,7 @@ class Loop:
                 time.sleep(2)
         if self.state.get("ray"):
             stop_recorded(self.state["ray"])
-        for k in ("ray", "proxy", "backend_port"):
+        for k in ("ray", "proxy", "backend_port", "replica_ports"):
             self.state.pop(k, None)
         self.save()
 
@@ -696,6 +742,28 @@ class ProxyClients:
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
+
+
+def proxy_backends(model: str, ports: list[int]) -> list[str]:
+    """`dspine proxy --backend` values: MODEL served by every backend (replicas), and with several, MODEL-1 by the
+    first alone (the one-replica side of the replicas stage)."""
+    out = [f"{model}=http://127.0.0.1:{p}/v1@{model}" for p in ports]
+    if len(ports) > 1:
+        out.append(f"{model}-1=http://127.0.0.1:{ports[0]}/v1@{model}")
+    return out
+
+
+def replica_scaling(runs: dict, n: int) -> dict:
+    """{"1": figures through one backend, "N": through N} (trace_figures + rc) -> the runs, the speed-up in episodes
+    per minute and the scaling efficiency (speed-up / N)."""
+    one, all_ = runs["1"].get("episodes_per_min"), runs[str(n)].get("episodes_per_min")
+    speedup = all_ / one if one and all_ else None
+    return {
+        "replicas": n,
+        "runs": runs,
+        "speedup": round(speedup, 3) if speedup else None,
+        "efficiency": round(speedup / n, 3) if speedup else None,
+    }
 
 
 def _post(url: str, body: dict, key: str | None = None, timeout: float = 600) -> dict:
@@ -812,7 +880,7 @@ def _r(x, nd: int = 3):
 
 
 def summary_section(doc: dict) -> dict:
-    keep = ("backend", "collect", "finetune", "evaluate", "replay", "deploy", "rollback", "store", "race")
+    keep = ("backend", "collect", "finetune", "evaluate", "replay", "deploy", "rollback", "store", "race", "replicas")
     out = {k: doc.get(k) for k in keep if k in doc}
     for k in ("git_sha", "command", "hardware", "sglang_version", "ray_version", "flags"):
         out[k] = doc.get(k)
@@ -875,6 +943,14 @@ def markdown(doc: dict) -> str:
             cells = [f"{v[str(c)]['tokens_per_s']} ({v[str(c)].get('vs_ar')})" if str(c) in v else "—" for c in conc]
             rows.append([m, *cells, (v.get(str(conc[0])) or {}).get("tau", v.get("error", "—"))])
         lines += [f"The race in SGLang ({race['rows']} held-out test rows)", "", md_table(head, rows), ""]
+    rp = doc.get("replicas") or {}
+    if rp:
+        n, runs = rp["replicas"], rp["runs"]
+        rows = [[k, v.get("rc"), v.get("episodes"), v.get("rows"), v.get("seconds"), v.get("episodes_per_min")]
+                for k, v in runs.items()]  # fmt: skip
+        lines += [f"Collection through 1 and {n} replicas behind the proxy: speed-up {rp.get('speedup')}, "
+                  f"efficiency {rp.get('efficiency')}", "",
+                  md_table(["replicas", "rc", "episodes", "rows", "seconds", "episodes/min"], rows), ""]  # fmt: skip
     st = doc.get("store") or {}
     if st:
         names = list(st)
@@ -887,7 +963,9 @@ def markdown(doc: dict) -> str:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=[*STAGES, "race", "all", "down"], help="what to run (all: up to report, then down)")
+    p.add_argument(
+        "stage", choices=[*STAGES, "race", "replicas", "all", "down"], help="what to run (all: up to report, then down)"
+    )
     p.add_argument("--work", default="/tmp/gpuloop", help="state, logs, traces, drafters (default: %(default)s)")
     p.add_argument("--backend", choices=("sglang", "dspine"), default="sglang")
     p.add_argument("--target", default="smollm2-135m-instruct", help="target spec (built-in name or .gguf)")
@@ -903,6 +981,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--live-workloads", default="swe,tool", help="live: harnesses")
     p.add_argument("--live-tokens", type=int, default=256, help="live: tokens per model call")
     p.add_argument("--concurrency", type=int, default=16, help="episodes (and replayed rows) at once")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="up: backends serving the model behind the proxy (replicas of the target on this machine; the deploy "
+        "and the replays use the first)",
+    )
+    p.add_argument("--replica-conversations", type=int, default=8, help="replicas: conversations per workload")
     p.add_argument("--ray-cpus", type=int, default=None, help="the Ray head's CPUs (default: all)")
     p.add_argument(
         "--executor",
@@ -937,6 +1023,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="JSON written by report (a .md beside it)")
     p.add_argument("--summary", help="summary.json whose gpu_loop section report rewrites")
     a = p.parse_args(argv)
+    if a.replicas < 1:
+        p.error(f"--replicas must be >= 1, not {a.replicas}")
     bad = [kv for kv in a.eval_set + a.finetune_set if "=" not in kv]
     if bad:
         p.error(f"--eval-set / --finetune-set take KEY=VALUE, not {bad[0]!r}")
