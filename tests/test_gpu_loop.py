@@ -200,3 +200,13 @@ def test_replicas_are_one_proxy_model_beside_the_first_alone_and_their_scaling_i
     assert "efficiency 0.9" in gpu_loop.markdown({"replicas": sc})
     with pytest.raises(SystemExit):
         gpu_loop.parse(["up", "--replicas", "0"])
+
+
+def test_replayed_prefixes_stay_clear_of_sglangs_dflash_reserve_at_the_context_boundary(tmp_path):
+    """SGLang 0.5.17's DFLASH reserves two blocks past a request's tokens; a request ending within them of the context
+    boundary leaks KV slots (sglang#33579): the collection's window leaves them free on SGLang, not on dspine serve."""
+    loop = gpu_loop.Loop(gpu_loop.parse(["collect", "--work", str(tmp_path), "--context", "8192"]))
+    loop.state["block_size"] = 16
+    assert loop.window() == 8192 - 32
+    rehearsal = gpu_loop.Loop(gpu_loop.parse(["collect", "--work", str(tmp_path / "d"), "--backend", "dspine"]))
+    assert rehearsal.window() == 8192

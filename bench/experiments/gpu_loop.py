@@ -168,6 +168,13 @@ class Loop:
         self.result.setdefault("backend_restarts", []).append({"log": tail, "seconds": round(time.time() - t0, 1)})
         self.save()
 
+    def window(self) -> int:
+        """The tokens a replayed prefix plus its reply may take: the backend's context, less SGLang's DFLASH decode
+        reserve (2 blocks) — a request that ends within it of the context boundary leaks KV slots in SGLang 0.5.17
+        at page size 1 (sgl-project/sglang#33579), which its idle check then stops the server for."""
+        reserve = 2 * int(self.state.get("block_size", 16)) if self.a.backend == "sglang" else 0
+        return self.a.context - reserve
+
     def deploy_cfg(self, port: int | None = None, state: str = "backend.json", **kw):
         from dspine.adapt.deployment import DeployConfig
 
@@ -265,7 +272,7 @@ class Loop:
         out = self.work / "collect-replay"
         args = ["adapt/collect.py", "--source", "replay", "--conversations", self.a.conversations, *common]
         args += ["--out", str(out), "--levels", "none", "--max-tokens", str(self.a.replay_tokens), "--skip-oversize"]
-        args += ["--max-context", str(self.a.context), "--tokenizer", self.state.get("target_dir", self.a.target)]
+        args += ["--max-context", str(self.window()), "--tokenizer", self.state.get("target_dir", self.a.target)]
         if self.a.max_conversations:
             args += ["--max-conversations", str(self.a.max_conversations)]
         if self.a.replay_turns:
@@ -545,7 +552,7 @@ class Loop:
             args = ["adapt/collect.py", "--source", "replay", "--conversations", self.a.conversations]
             args += ["--endpoint", endpoint, "--api-key", self.state["proxy_key"], "--model", model]
             args += ["--concurrency", str(self.a.concurrency), "--out", str(out), "--levels", "none"]
-            args += ["--max-tokens", str(self.a.replay_tokens), "--skip-oversize", "--max-context", str(self.a.context)]
+            args += ["--max-tokens", str(self.a.replay_tokens), "--skip-oversize", "--max-context", str(self.window())]
             args += ["--tokenizer", self.state.get("target_dir", self.a.target)]
             args += ["--max-conversations", str(self.a.replica_conversations)]
             args += ["--max-turns", str(self.a.replay_turns or 4)]
