@@ -327,14 +327,12 @@ def combine_seeds(docs: list[dict], draws: int = 2000) -> dict:
     if len(docs) < 2:
         raise ValueError(f"combine_seeds: {len(docs)} document(s); two or more seeds to combine")
     first = docs[0]
-    for k, d in enumerate(docs[1:], 2):
+    for k, d in enumerate(docs, 1):
         if d.get("mode") != "replay" or not d.get("pairs"):
             raise ValueError(f"combine_seeds: document {k} is not a replay evaluation with pairs")
         for key in ("items", "max_new_tokens", "target"):
             if d.get(key) != first.get(key):
-                raise ValueError(
-                    f"combine_seeds: document {k}'s {key} {d.get(key)!r} != the first's {first.get(key)!r}"
-                )
+                raise ValueError(f"combine_seeds: document {k}'s {key} {d.get(key)!r}, the first's {first.get(key)!r}")
         twins = {v: p["twin"] for v, p in d["pairs"].items()}
         if twins != {v: p["twin"] for v, p in first["pairs"].items()}:
             raise ValueError(f"combine_seeds: document {k} pairs {twins}, the first {list(first['pairs'])}")

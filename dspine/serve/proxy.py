@@ -116,11 +116,11 @@ def litellm_config(cfg: ProxyConfig) -> dict:
             "num_retries": 0,
             "request_timeout": cfg.timeout_s,
         },
-        # no cooldowns: a failure (an endpoint the backend lacks, a 404) would cool a backend down and answer every
-        # other client 429 until the cooldown ends; a replica that is down answers the requests it draws 503
-        # (the callbacks' unreachable check), which clients retry
         # a name given several backends (replicas of one target) is one LiteLLM model group: each request goes to
-        # one of them at random (simple-shuffle), so concurrent clients spread over the replicas
+        # one of them at random (simple-shuffle), so concurrent clients spread over the replicas. No cooldowns: a
+        # failure (an endpoint the backend lacks, a 404) would cool a backend down and answer every other client 429
+        # until it ends; a replica that is down answers the requests it draws 503 (the callbacks' unreachable
+        # check), which clients retry
         "router_settings": {"disable_cooldowns": True, "routing_strategy": "simple-shuffle"},
         "general_settings": {
             "master_key": f"os.environ/{KEY_ENV}",
