@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspine.config import apply_overrides, from_dict
-from dspine.eval.acceptance import combine_seeds, write_seeds_results
+from dspine.eval.acceptance import combine_seeds, write_replay_results
 from dspine.io import atomic_write_text, update_summary
 from dspine.train.recipe import (
     RecipeConfig,
@@ -58,7 +58,7 @@ def seeds(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         doc = combine_seeds([json.loads(Path(r).read_text()) for r in a.reports])
     except (OSError, ValueError, KeyError) as e:
         ap.error(f"--stage seeds: {e}")
-    write_seeds_results(doc, a.out)
+    write_replay_results(doc, a.out)
     print(Path(a.out).with_suffix(".md").read_text())
     if a.summary:
         update_summary(a.summary, "acceptance", acceptance_summary(doc))

@@ -386,19 +386,12 @@ def combine_seeds(docs: list[dict], draws: int = 2000) -> dict:
 def seeds_markdown(doc: dict) -> str:
     """A combine_seeds document as Markdown: τ per benchmark (the seeds' average), each pair's ratio over all
     seeds with its interval beside each seed's, and every seed's held-out per-slot accuracy."""
-    res, names, n = doc["results"], list(doc["pooled"]), len(doc["seeds"])
+    n = len(doc["seeds"])
     lines = [
         f"T = 0, replayed on the target's greedy answers, {n} seeds ({', '.join(map(str, doc['seeds']))}): "
         f"{sum(doc['items'].values())} items per seed ({', '.join(f'{b} {k}' for b, k in doc['items'].items())}), "
         f"{doc['max_new_tokens']} new tokens at most; τ is the seeds' average\n",
-        md_table(
-            ["drafter", *res, "pooled", "mean"],
-            [
-                [m, *(f"{res[b][m]['tau_pooled']:.3f}" for b in res), f"{doc['pooled'][m]['tau_pooled']:.3f}"]
-                + [f"{doc['mean'][m]:.3f}"]
-                for m in names
-            ],
-        ),
+        _tau_table(doc),
         "\n**Over the twin** (ratio pooled over every seed's items, 95% bootstrap over items; each seed's beside)\n",
     ]
     band = lambda ci: f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else ""
@@ -412,28 +405,14 @@ def seeds_markdown(doc: dict) -> str:
     for seed, held in zip(doc["seeds"], doc["heldout"]):
         if not held:
             continue
-        shown = min(8, max(len(h["slot_acc"]) for h in held.values()))
         lines += [
-            f"\n**Held-out anchors, seed {seed}** (the same anchors for every drafter: τ_sim, per-slot accuracy)\n"
+            f"\n**Held-out anchors, seed {seed}** (the same anchors for every drafter: τ_sim, per-slot accuracy)\n",
+            _held_table(held),
         ]
-        lines.append(
-            md_table(
-                ["drafter", "τ_sim", *(f"slot {i + 1}" for i in range(shown))],
-                [[m, f"{h['tau_sim']:.3f}", *(f"{a:.3f}" for a in h["slot_acc"][:shown])] for m, h in held.items()],
-            )
-        )
     for seed, run, tr in zip(doc["seeds"], doc["runs"], doc["train"]):
         steps = f"{tr['steps']} steps, {tr['seconds']:.0f} s, " if tr else ""
         lines.append(f"\nseed {seed}: {steps}{run['git_sha']} · {run['hardware']} · `{run['command']}`")
     return "\n".join(lines) + "\n"
-
-
-def write_seeds_results(doc: dict, out: str | Path) -> Path:
-    """A combine_seeds document's JSON and its Markdown beside it."""
-    out = Path(out)
-    atomic_write_text(out, json_text(doc))
-    atomic_write_text(out.with_suffix(".md"), seeds_markdown(doc))
-    return out
 
 
 def _replay_one(engines: dict, name: str, prompt_ids: list[int], forced: list[int]) -> dict:
@@ -637,22 +616,33 @@ def write_results(doc: dict, out: str | Path) -> Path:
     return out
 
 
+def _tau_table(doc: dict) -> str:
+    """Pooled τ per benchmark and drafter, pooled over all items and the benchmarks' mean (a replay document)."""
+    res = doc["results"]
+    rows = [
+        [n, *(f"{res[b][n]['tau_pooled']:.3f}" for b in res), f"{p['tau_pooled']:.3f}", f"{doc['mean'][n]:.3f}"]
+        for n, p in doc["pooled"].items()
+    ]
+    return md_table(["drafter", *res, "pooled", "mean"], rows)
+
+
+def _held_table(held: dict) -> str:
+    """Each drafter on the held-out anchors: τ_sim and the accuracy of its first 8 slots."""
+    shown = min(8, max(len(h["slot_acc"]) for h in held.values()))
+    return md_table(
+        ["drafter", "τ_sim", *(f"slot {i + 1}" for i in range(shown))],
+        [[n, f"{h['tau_sim']:.3f}", *(f"{a:.3f}" for a in h["slot_acc"][:shown])] for n, h in held.items()],
+    )
+
+
 def replay_markdown(doc: dict) -> str:
     """A replay_benchmarks document as Markdown: τ per benchmark (pooled), pooled over all items and the
     benchmarks' mean; each pair's ratio with its interval; the held-out per-slot accuracy on identical anchors."""
-    res, names = doc["results"], list(doc["pooled"])
     lines = [
         f"T = 0, every drafter replayed on the target's greedy answers: {sum(doc['items'].values())} items "
         f"({', '.join(f'{b} {n}' for b, n in doc['items'].items())}), {doc['tokens']} tokens, "
         f"{doc['max_new_tokens']} new tokens at most\n",
-        md_table(
-            ["drafter", *res, "pooled", "mean"],
-            [
-                [n, *(f"{res[b][n]['tau_pooled']:.3f}" for b in res), f"{doc['pooled'][n]['tau_pooled']:.3f}"]
-                + [f"{doc['mean'][n]:.3f}"]
-                for n in names
-            ],
-        ),
+        _tau_table(doc),
     ]
     if doc.get("pairs"):
         rows = []
@@ -665,24 +655,21 @@ def replay_markdown(doc: dict) -> str:
         lines.append(md_table(["drafter", "twin", "τ", "twin τ", "ratio pooled", "ratio of means", "items"], rows))
     held = doc.get("heldout")
     if held:
-        k = max(len(h["slot_acc"]) for h in held.values())
-        shown = min(k, 8)
         lines += ["\n**Held-out anchors** (the same batches and anchors for every drafter: τ_sim, per-slot accuracy)\n"]
-        lines.append(
-            md_table(
-                ["drafter", "τ_sim", *(f"slot {i + 1}" for i in range(shown))],
-                [[n, f"{h['tau_sim']:.3f}", *(f"{a:.3f}" for a in h["slot_acc"][:shown])] for n, h in held.items()],
-            )
-        )
+        lines.append(_held_table(held))
     lines.append(f"\n{doc.get('git_sha', '?')} · {doc.get('hardware', '?')} · `{doc.get('command', '')}`")
     return "\n".join(lines) + "\n"
 
 
 def write_replay_results(doc: dict, out: str | Path) -> Path:
-    """A replay document's JSON, its Markdown and an SVG of per-slot acceptance beside it."""
+    """A replay document's JSON, its Markdown and an SVG of per-slot acceptance beside it (several seeds combined,
+    `combine_seeds`: the JSON and its Markdown)."""
     out = Path(out)
     atomic_write_text(out, json_text(doc))
-    atomic_write_text(out.with_suffix(".md"), replay_markdown(doc))
+    seeds = doc.get("mode") == "replay_seeds"
+    atomic_write_text(out.with_suffix(".md"), seeds_markdown(doc) if seeds else replay_markdown(doc))
+    if seeds:
+        return out
     pooled = doc["pooled"]
     panels = [
         ("P(slot k accepted), T = 0, replayed", {n: g["per_slot"][:SLOTS_SHOWN] for n, g in pooled.items()}),
