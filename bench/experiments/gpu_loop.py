@@ -170,8 +170,9 @@ class Loop:
 
     def window(self) -> int:
         """The tokens a replayed prefix plus its reply may take: the backend's context, less SGLang's DFLASH decode
-        reserve (2 blocks) — a request that ends within it of the context boundary leaks KV slots in SGLang 0.5.17
-        at page size 1 (sgl-project/sglang#33579), which its idle check then stops the server for."""
+        reserve (2 blocks) — at page size 1 a request that ends within it of the context boundary leaks KV slots
+        (sgl-project/sglang#33579), which SGLang's idle check then stops the server for (the likely cause of the
+        first GPU loop's exit)."""
         reserve = 2 * int(self.state.get("block_size", 16)) if self.a.backend == "sglang" else 0
         return self.a.context - reserve
 
