@@ -168,6 +168,17 @@ class Loop:
         self.result.setdefault("backend_restarts", []).append({"log": tail, "seconds": round(time.time() - t0, 1)})
         self.save()
 
+    def replay_args(self, model: str, out: Path, conversations: int, turns: int) -> list[str]:
+        """adapt/collect.py's arguments for the replay of the conversations through the proxy as MODEL into OUT
+        (at most CONVERSATIONS per workload and TURNS each; 0: all)."""
+        args = ["adapt/collect.py", "--source", "replay", "--conversations", self.a.conversations]
+        args += ["--endpoint", f"http://127.0.0.1:{self.state['proxy']['port']}/v1", "--model", model]
+        args += ["--api-key", self.state["proxy_key"], "--concurrency", str(self.a.concurrency), "--out", str(out)]
+        args += ["--levels", "none", "--max-tokens", str(self.a.replay_tokens), "--skip-oversize"]
+        args += ["--max-context", str(self.window()), "--tokenizer", self.state.get("target_dir", self.a.target)]
+        args += ["--max-conversations", str(conversations)] if conversations else []
+        return args + (["--max-turns", str(turns)] if turns else [])
+
     def window(self) -> int:
         """The tokens a replayed prefix plus its reply may take: the backend's context, less SGLang's DFLASH decode
         reserve (2 blocks) — at page size 1 a request that ends within it of the context boundary leaks KV slots
@@ -271,13 +282,7 @@ class Loop:
             runs["live"] = {"rc": self.ray_job(args, "collect-live"), "seconds": round(time.time() - t1, 1)}
             runs["live"]["accounts"] = _read_json(out / "accounts.json")
         out = self.work / "collect-replay"
-        args = ["adapt/collect.py", "--source", "replay", "--conversations", self.a.conversations, *common]
-        args += ["--out", str(out), "--levels", "none", "--max-tokens", str(self.a.replay_tokens), "--skip-oversize"]
-        args += ["--max-context", str(self.window()), "--tokenizer", self.state.get("target_dir", self.a.target)]
-        if self.a.max_conversations:
-            args += ["--max-conversations", str(self.a.max_conversations)]
-        if self.a.replay_turns:
-            args += ["--max-turns", str(self.a.replay_turns)]
+        args = self.replay_args(self.a.model, out, self.a.max_conversations, self.a.replay_turns)
         t1 = time.time()
         self.ensure_backend()
         runs["replay"] = {"rc": self.ray_job(args, "collect-replay"), "seconds": round(time.time() - t1, 1)}
@@ -545,18 +550,11 @@ class Loop:
         n = 1 + len(self.state.get("replica_ports", []))
         if n < 2:
             raise SystemExit("gpu_loop: the replicas stage needs `up --replicas N` with N >= 2")
-        endpoint = f"http://127.0.0.1:{self.state['proxy']['port']}/v1"
         runs = {}
         for k, model in ((1, f"{self.a.model}-1"), (n, self.a.model)):
             out = self.work / f"replicas-{k}"
             shutil.rmtree(out, ignore_errors=True)  # a rerun measures again, not a resumed collection
-            args = ["adapt/collect.py", "--source", "replay", "--conversations", self.a.conversations]
-            args += ["--endpoint", endpoint, "--api-key", self.state["proxy_key"], "--model", model]
-            args += ["--concurrency", str(self.a.concurrency), "--out", str(out), "--levels", "none"]
-            args += ["--max-tokens", str(self.a.replay_tokens), "--skip-oversize", "--max-context", str(self.window())]
-            args += ["--tokenizer", self.state.get("target_dir", self.a.target)]
-            args += ["--max-conversations", str(self.a.replica_conversations)]
-            args += ["--max-turns", str(self.a.replay_turns or 4)]
+            args = self.replay_args(model, out, self.a.replica_conversations, self.a.replay_turns or 4)
             t0 = time.time()
             rc = self.ray_job(args, f"replicas-{k}")
             seconds = time.time() - t0

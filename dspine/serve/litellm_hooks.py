@@ -64,7 +64,7 @@ class DSpineLogger(CustomLogger):
         self.read_key = read_key  # the backends' read key (dspine serve --read-key): their records are behind it
         self.routes = routes or {}  # WORKLOAD or WORKLOAD/LEVEL -> backend name (ProxyConfig.routes)
         # model name -> its backends' OpenAI bases (several: replicas), where their records are asked for
-        self.api_bases = {k: [v] if isinstance(v, str) else list(v) for k, v in (api_bases or {}).items()}
+        self.api_bases = api_bases or {}
         self.store = AcceptanceStore(db)
         self.metrics = _metrics(metrics_port)
         self.fetch_timeout_s = fetch_timeout_s
