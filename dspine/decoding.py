@@ -152,8 +152,12 @@ def greedy_transition_walk(
     """cand (N, B-1, K) candidates of slots 1..B-1, best first; h_pre (N, B, d), f (N, B, r) -> greedy drafts
     (N, B-1): slot 1 its argmax, slots >= 2 through the transition cache (the fused kernels on CUDA). The
     engine's and the SGLang plugin's greedy proposal."""
-    S = scores_table(inj, norm, head, codes, h_pre, f, cand, kernels.fused_width_ok(h_pre))
-    if kernels.enabled(cand):  # the walk reads only cand and S: fused at any width
+    return walk_table(cand, scores_table(inj, norm, head, codes, h_pre, f, cand, kernels.fused_width_ok(h_pre)))
+
+
+def walk_table(cand: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """walk_greedy, fused on CUDA (the walk reads only cand and S: fused at any width)."""
+    if kernels.enabled(cand):
         from dspine.kernels.transition import fused_walk_greedy
 
         return fused_walk_greedy(cand, S)

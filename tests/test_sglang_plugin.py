@@ -255,3 +255,100 @@ def test_round_timing_totals_and_split(tmp_path):
     between = timing.split(second["totals"], first["totals"])
     assert between["rounds"] == 1 and between["extends"] == 0 and between["round_ms"] == 13.5
     assert [p.name for p in (tmp_path / "t").iterdir()] == ["dspine.json"]  # no temp file left behind
+
+
+def _tp_rank(rank, world, rdv, bounds, args, out_dir):
+    """One tensor-parallel rank (gloo on CPU, SGLang's group interface): its padded vocabulary shard of the head
+    -> the plugin's proposal, and the merged candidates."""
+    import torch.distributed as dist
+
+    from dspine.sglang.plugin.core import VocabShard
+
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
+
+    class Group:  # what the plugin uses of SGLang's GroupCoordinator
+        world_size = world
+
+        def all_gather_into_tensor(self, out, inp):
+            dist.all_gather(list(out.chunk(world)), inp)
+
+        def all_reduce(self, t):
+            dist.all_reduce(t)
+            return t
+
+    model, slots, head = args
+    lo, hi = bounds[rank], bounds[rank + 1]
+    # SGLang pads each shard past its real rows; padding that would win must never become a candidate
+    padded = torch.cat([head[lo:hi], 100 * slots.reshape(-1, head.shape[1])[:3]])
+    shard = VocabShard(padded, hi - lo, lo, Group())
+    with torch.no_grad():
+        toks = propose_from_state(model, slots, shard)
+        cand, vals = shard.top_candidates(slots.reshape(-1, head.shape[1]), model.dspine.top_k, fast=False)
+    torch.save({"toks": toks, "cand": cand, "vals": vals}, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bounds", [(0, 37, None), (0, 5, 64, None)], ids=["tp2", "tp3-uneven"])
+def test_tensor_parallel_ranks_propose_what_one_head_does(tmp_path, bounds):
+    """Under SGLang's --tp-size N the target's head is sharded by vocabulary (contiguous, each shard padded): the
+    ranks' merged top-K equals the full head's, their summed transition tables give the same walk, and every
+    rank proposes the single-GPU tokens — here on N gloo processes, with a shard smaller than K (tp3-uneven)."""
+    import torch.multiprocessing as mp
+
+    _, d = _drafter("dspine", seed=3)
+    cfg, B, N = d.config, d.config.block_size, 4
+    g = torch.Generator().manual_seed(7)
+    V = cfg.vocab_size
+    bounds = [b if b is not None else V for b in bounds]
+    a, anc = torch.randn(N * B, cfg.hidden_size, generator=g), torch.randn(N, cfg.transfer_rank, generator=g)
+    last = str(cfg.num_hidden_layers - 1)
+    with torch.no_grad():
+        out, f, x = inject_flat(d.injections[last], a, anc, B)
+        slots = d.norm(out).view(N, B, -1)[:, 1:].contiguous()
+    model = SimpleNamespace(
+        dspine_state={"h_pre": x, "f": f},
+        inject_layers=cfg.inject_layers,
+        injections=d.injections,
+        norm_for_scores=d.norm,
+        transfer_codes=d.transfer_codes,
+        dspine=SimpleNamespace(top_k=cfg.top_k),
+    )
+    head = d.head.detach().clone()
+    want = propose_from_state(model, slots, head)
+    want_cand, want_vals = candidates(slots.reshape(N * (B - 1), -1), head, cfg.top_k)
+    world = len(bounds) - 1
+    mp.spawn(_tp_rank, args=(world, tmp_path / "rdv", bounds, (model, slots, head), tmp_path), nprocs=world)
+    got = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    for r in got:
+        assert torch.equal(r["toks"], want)  # every rank walks to the single-GPU tokens
+        assert torch.equal(r["cand"], want_cand)
+        torch.testing.assert_close(r["vals"], want_vals, rtol=1e-6, atol=1e-6)  # a shard's matmul, not the full one
+    # not a vacuous agreement: the candidates come from more than one shard
+    owner = torch.bucketize(want_cand, torch.tensor(bounds[1:-1]), right=True)
+    assert owner.unique().numel() > 1
+
+
+def test_vocab_shard_of_sglangs_head_and_its_refusals():
+    """One rank: the head's first `vocab` rows, whatever SGLang's shard metadata; under TP the shard's range,
+    and a clear error where the range is unknown, has added rows, or runs past the drafter's codes."""
+    from dspine.sglang.plugin.core import VocabShard
+
+    w = torch.randn(40, 8)
+    two = SimpleNamespace(world_size=2)
+
+    def head(start, n, added=0):
+        shard = SimpleNamespace(org_vocab_start_index=start, num_org_elements=n, num_added_elements=added)
+        return SimpleNamespace(weight=w, shard_indices=shard)
+
+    one = VocabShard.of(head(0, 40), 32, SimpleNamespace(world_size=1))
+    assert one.group is None and one.start == 0 and one.weight.shape[0] == 32
+    tp = VocabShard.of(head(32, 30), 64, two)
+    assert tp.group is two and tp.start == 32 and tp.weight.shape[0] == 30
+    with pytest.raises(ValueError, match="without shard_indices"):
+        VocabShard.of(SimpleNamespace(weight=w), 64, two)
+    with pytest.raises(ValueError, match="added vocabulary"):
+        VocabShard.of(head(0, 30, added=2), 64, two)
+    with pytest.raises(ValueError, match="past the drafter's 50 codes"):
+        VocabShard.of(head(32, 30), 50, two)
+    with pytest.raises(ValueError, match="needs its tensor-parallel group"):
+        VocabShard(w, 30, start=32)

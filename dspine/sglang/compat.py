@@ -72,6 +72,20 @@ NAMES: dict[str, list[str]] = {
     "sglang/srt/plugins/hook_registry.py": [r"class HookRegistry\b", r"AROUND = \"around\"", r"def register\("],
     "sglang/srt/layers/logits_processor.py": [r"class LogitsProcessorOutput\b"],
     "sglang/srt/runtime_context.py": [r"def get_parallel\(", r"def get_exec\("],
+    # tensor parallelism: the target head's vocabulary shard and the group the ranks merge proposals through
+    "sglang/srt/distributed/__init__.py": [r"from sglang\.srt\.distributed\.parallel_state import \*"],
+    "sglang/srt/distributed/parallel_state.py": [
+        r"def get_tp_group\(\)",
+        r"def all_reduce\(self, input_: torch\.Tensor\) -> torch\.Tensor",
+        r"def all_gather_into_tensor\(self, output: torch\.Tensor, input: torch\.Tensor\)",
+        r"world_size",
+    ],
+    "sglang/srt/layers/vocab_parallel_embedding.py": [
+        r"self\.shard_indices = ",
+        r"org_vocab_start_index: int",
+        r"def num_org_elements\(self\)",
+        r"def num_added_elements\(self\)",
+    ],
     # the config fields it reads (export writes them in DFlash's names)
     "sglang/srt/speculative/dflash_utils.py": [
         r"def parse_dflash_draft_config\b",

@@ -11,6 +11,8 @@ scheduler process. `register`:
   places where DFlash turns draft hidden states into tokens: `_maybe_build_draft_sampler` (the head folded
   into the draft CUDA graph) and `_greedy_sample_from_vocab_parallel_head` (the eager path). For a DSpine
   drafter both propose through the transition cache + greedy walk (core.py), fused Triton kernels on CUDA.
+  Under tensor parallelism (`--tp-size N`) the target's head is sharded by vocabulary: the ranks merge their
+  top-K candidates and sum their parts of the transition table (core.VocabShard), then walk alike.
 
 Why DFLASH and not a registered algorithm: 0.5.17 checks `is_dflash()` and `== SpeculativeAlgorithm.DFLASH`
 in the scheduler, memory sizing and CUDA-graph runners; a `SpeculativeAlgorithm.register`-ed name would have
@@ -67,11 +69,12 @@ def _build_sampler(original, self, *args, **kwargs):
             f"--speculative-num-draft-tokens {self.block_size} differs from the DSpine drafter's "
             f"block_size {model.block_size}: the injection chain is trained for one block size"
         )
-    head = self._target_worker.model_runner.model.lm_head.weight
+    head = _vocab_shard(model, self._target_worker.model_runner.model.lm_head)
     logger.info(
-        "dspine: transition-cache proposal folded into the draft CUDA graph (top_k %d, layers %s)",
+        "dspine: transition-cache proposal folded into the draft CUDA graph (top_k %d, layers %s, tp %d)",
         model.dspine.top_k,
         model.inject_layers,
+        1 if head.group is None else int(head.group.world_size),
     )
     return DSpineDraftSampler(model, head, self.block_size, max(get_exec().graph.cuda_graph_config.decode.bs))
 
@@ -83,7 +86,16 @@ def _eager_sample(original, self, *args, hidden_states=None, lm_head=None, **kwa
 
     B = int(self.block_size)
     slots = hidden_states.view(-1, B - 1, hidden_states.shape[-1])  # (bs, B-1, d)
-    return propose_from_state(self.draft_model, slots, lm_head.weight)
+    return propose_from_state(self.draft_model, slots, _vocab_shard(self.draft_model, lm_head))
+
+
+def _vocab_shard(model, lm_head):
+    """This rank's part of the target's head (core.VocabShard), with SGLang's tensor-parallel group."""
+    from sglang.srt.distributed import get_tp_group
+
+    from .core import VocabShard
+
+    return VocabShard.of(lm_head, model.transfer_codes.shape[0], get_tp_group())
 
 
 def register() -> None:

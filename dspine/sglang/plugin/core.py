@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from dspine import kernels
 from dspine.config import ConfigError, from_dict
-from dspine.decoding import greedy_transition_walk, scores_table, top_candidates
+from dspine.decoding import greedy_transition_walk, scores_table, top_candidates, walk_table
 from dspine.drafter import VARIANTS, DSpineSection, Injection
 
 PluginConfig = DSpineSection  # `dspine_config` of an exported checkpoint (export.py writes it)
@@ -92,21 +92,104 @@ def inject_flat(
     return out.reshape(h.shape), f.reshape(h.shape[0], -1), x
 
 
+class VocabShard:
+    """The target's lm_head as one tensor-parallel rank holds it, and how the ranks agree on a proposal.
+
+    SGLang shards the head by vocabulary (`VocabParallelEmbedding`: contiguous ascending ranges, each padded;
+    `shard_indices` says where a rank's range starts and how many real rows it has). DFlash's own sampler
+    takes each rank's argmax and all-gathers (max, id); DSpine needs more than one argmax:
+    - the candidate sets: each rank's top-K of its rows (ids made global), all-gathered, the best K of the
+      tp·K kept — the same set a full head gives (ties aside);
+    - the transition table S[p, c] = norm(h_p) · head[c]: every rank scores the candidates whose rows it
+      holds (zero rows for the others, so their scores are exactly 0) and the tables are summed across the
+      group — K·K floats per slot on the wire instead of gathering K head rows of width d.
+    The injection, the codes and the walk are replicated (the draft layers' outputs are all-reduced by
+    SGLang's row-parallel projections), so every rank walks to the same tokens. Without a group (one rank)
+    everything is the single-GPU path unchanged.
+
+    `group` is SGLang's GroupCoordinator or anything with `world_size`, `all_gather_into_tensor(out, inp)` and
+    `all_reduce(t) -> t`."""
+
+    def __init__(self, weight: torch.Tensor, vocab: int, start: int = 0, group=None):
+        if group is not None and int(group.world_size) == 1:
+            group = None
+        if group is None and start:
+            raise ValueError("a vocabulary shard that starts past 0 needs its tensor-parallel group")
+        self.weight, self.start, self.group = weight[: int(vocab)], int(start), group
+
+    @classmethod
+    def of(cls, lm_head, vocab: int, group=None) -> VocabShard:
+        """SGLang's lm_head (with `shard_indices` under tensor parallelism) -> this rank's shard; `vocab` the
+        drafter's vocabulary (its code table's rows): on one rank the head's first `vocab` rows (SGLang pads
+        past them)."""
+        shard = getattr(lm_head, "shard_indices", None)
+        if group is None or int(group.world_size) == 1:
+            return cls(lm_head.weight, vocab)
+        if shard is None:
+            raise ValueError("a tensor-parallel lm_head without shard_indices: its vocabulary ranges are unknown")
+        if int(shard.num_added_elements):
+            raise ValueError("the target's lm_head has added vocabulary rows: DSpine's code table does not cover them")
+        end = int(shard.org_vocab_start_index) + int(shard.num_org_elements)
+        if end > vocab:
+            raise ValueError(f"the target's vocabulary shard ends at row {end}, past the drafter's {vocab} codes")
+        return cls(lm_head.weight, int(shard.num_org_elements), int(shard.org_vocab_start_index), group)
+
+    def top_candidates(self, hidden: torch.Tensor, k: int, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (N, d) -> the K best global ids (N, K) and their logits (N, K) fp32 over the whole vocabulary."""
+        ids, vals = top_candidates(hidden, self.weight, k, fast=fast)
+        if self.group is None:
+            return ids, vals
+        N, P = hidden.shape[0], int(self.group.world_size)
+        if ids.shape[1] < k:  # a shard of fewer than K rows: pad with entries that never win
+            pad = k - ids.shape[1]
+            ids = torch.cat([ids, ids.new_zeros(N, pad)], 1)
+            vals = torch.cat([vals, vals.new_full((N, pad), float("-inf"))], 1)
+        ids = ids + self.start
+        all_ids, all_vals = ids.new_empty(P * N * k), vals.new_empty(P * N * k)
+        self.group.all_gather_into_tensor(all_ids, ids.reshape(-1).contiguous())
+        self.group.all_gather_into_tensor(all_vals, vals.reshape(-1).contiguous())
+        all_ids = all_ids.view(P, N, k).permute(1, 0, 2).reshape(N, P * k)
+        best, at = all_vals.view(P, N, k).permute(1, 0, 2).reshape(N, P * k).topk(k, dim=-1)
+        return all_ids.gather(1, at), best
+
+    def scores(self, inj: Injection, norm: nn.Module, codes, h_pre, f, cand) -> torch.Tensor:
+        """decoding.scores_table over the whole vocabulary: S (N, B-2, K, K) for global candidates cand."""
+        fast = kernels.fused_width_ok(h_pre)
+        if self.group is None:
+            return scores_table(inj, norm, self.weight, codes, h_pre, f, cand, fast)
+        # a table of the candidates' own rows: this rank's head rows (zero where another rank holds the row)
+        # and every candidate's code, indexed by position, so scores_table runs unchanged
+        local = cand - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = self.weight[local.clamp(0, self.weight.shape[0] - 1)] * mine[..., None].to(self.weight.dtype)
+        at = torch.arange(cand.numel(), device=cand.device).view(cand.shape)
+        S = scores_table(inj, norm, rows.reshape(cand.numel(), -1), codes[cand.reshape(-1)], h_pre, f, at, fast)
+        return self.group.all_reduce(S.contiguous())
+
+
 def propose_block(
     slots: torch.Tensor,
     h_pre: torch.Tensor,
     f: torch.Tensor,
     inj: Injection,
     norm: nn.Module,
-    head: torch.Tensor,
+    head: torch.Tensor | VocabShard,
     codes: torch.Tensor,
     top_k: int,
 ) -> torch.Tensor:
     """Greedy proposal for one block per row: slots (bs, B-1, d) slots 1..B-1 after the drafter's final norm
     (what SGLang's DFlash takes its argmax of), h_pre (bs, B, d), f (bs, B, r), head (V, d) the target's
-    lm_head, codes (V, r) -> tokens (bs, B-1), through dspine's own greedy_transition_walk."""
+    lm_head or this rank's VocabShard of it, codes (V, r) -> tokens (bs, B-1), through dspine's own
+    greedy_transition_walk (on one rank) or the shard's merged candidates and summed table (under TP)."""
     bs, Bm1, d = slots.shape
-    cand, _ = top_candidates(slots.reshape(bs * Bm1, d), head, top_k, fast=kernels.enabled(slots))
+    fast = kernels.enabled(slots)
+    if isinstance(head, VocabShard) and head.group is not None:
+        cand, _ = head.top_candidates(slots.reshape(bs * Bm1, d), top_k, fast)
+        cand = cand.view(bs, Bm1, -1)
+        return walk_table(cand, head.scores(inj, norm, codes, h_pre, f, cand))
+    if isinstance(head, VocabShard):
+        head = head.weight
+    cand, _ = top_candidates(slots.reshape(bs * Bm1, d), head, top_k, fast=fast)
     return greedy_transition_walk(cand.view(bs, Bm1, -1), inj, norm, head, codes, h_pre, f)
 
 
@@ -117,11 +200,13 @@ def vocab_rows(model, head: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()  # SGLang calls the sampler outside the model's no_grad; the fused kernels have no backward
-def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor | VocabShard) -> torch.Tensor:
     """slots (bs, B-1, d) normed draft hidden of slots 1..B-1; the rest from the DSpine model's forward
-    (`model.dspine_state`: h_pre, f); head (V_padded, d) the target's lm_head -> tokens (bs*(B-1),)."""
+    (`model.dspine_state`: h_pre, f); head (V_padded, d) the target's lm_head, or this rank's VocabShard of it
+    -> tokens (bs*(B-1),)."""
     bs, Bm1, _ = slots.shape
-    head = vocab_rows(model, head)
+    if not isinstance(head, VocabShard):
+        head = VocabShard(head, model.transfer_codes.shape[0])
     st = model.dspine_state
     last = str(max(model.inject_layers))
     return propose_block(
@@ -141,9 +226,10 @@ class DSpineDraftSampler:
     the draft forward's hidden states inside the draft CUDA graph, it writes the proposed tokens of slots
     1..B-1 of every block into `out`."""
 
-    def __init__(self, model, head: torch.Tensor, block_size: int, max_bs: int):
+    def __init__(self, model, head: torch.Tensor | VocabShard, block_size: int, max_bs: int):
         self.model, self.head, self.block_size = model, head, int(block_size)
-        self.out = torch.empty(int(max_bs) * (self.block_size - 1), dtype=torch.int64, device=head.device)
+        device = (head.weight if isinstance(head, VocabShard) else head).device
+        self.out = torch.empty(int(max_bs) * (self.block_size - 1), dtype=torch.int64, device=device)
 
     def __call__(self, hidden_states: torch.Tensor, input_ids=None) -> None:
         """hidden_states (bs*B, d) after the final norm."""

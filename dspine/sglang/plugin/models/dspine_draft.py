@@ -38,8 +38,12 @@ except ImportError:  # 0.5.17
 class DSpineDraftModel(DFlashDraftModel):
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config=config, quant_config=quant_config, prefix=prefix)
-        if int(get_parallel().tp_size) != 1:
-            raise NotImplementedError("the dspine SGLang plugin serves DSpine drafters at tp_size 1 only")
+        if int(get_parallel().tp_size) != 1 and _SGLangSelector is not None:
+            # the selector's lattice reads the whole head (core.DSpineSelector); the 0.5.17 hooks merge shards
+            raise NotImplementedError(
+                "the dspine SGLang plugin serves DSpine drafters under tensor parallelism on SGLang 0.5.17's "
+                "hooks only; with DFLASH's candidate selector (>= 0.5.23) use --tp-size 1"
+            )
         self.dspine, self.inject_layers = parse_dspine_config(config)
         d, r, s = int(config.hidden_size), self.dspine.transfer_rank, self.dspine.message_size
         self.injections = nn.ModuleDict({str(i): Injection(d, r, s) for i in self.inject_layers})
