@@ -124,6 +124,9 @@ def test_shape_from_a_config_file_and_bad_shapes(tmp_path):
         ScaleConfig(attention_backend="fa2").validate()
     with pytest.raises(ConfigError, match="section 'acceptance'"):
         ScaleConfig(section="acceptance").validate()  # a run must not overwrite another part of the summary
+    with pytest.raises(ConfigError, match="tp 2 with group 4"):
+        ScaleConfig(tp=2).validate()  # a tensor-parallel server holds every GPU: one at a time
+    ScaleConfig(shape="qwen3-32b", tp=4, group=1).validate()
 
 
 def test_projection_arithmetic():

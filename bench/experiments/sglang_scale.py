@@ -38,6 +38,13 @@ def main() -> int:
     ap.add_argument("--per-benchmark", type=int, default=10, help="first-turn prompts per benchmark")
     ap.add_argument("--group", type=int, default=4, help="servers started side by side")
     ap.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="SGLang's --tp-size for every server (the plugin merges the ranks' vocabulary shards); above 1 "
+        "give --group 1: one server holds every GPU",
+    )
+    ap.add_argument(
         "--attention-backend",
         default="triton",
         help="SGLang's attention backend for every server (triton; fa3 needs sgl_kernel's flash_ops.abi3.so)",
@@ -74,6 +81,7 @@ def main() -> int:
         max_new_tokens=a.max_new_tokens,
         per_benchmark=a.per_benchmark,
         group=a.group,
+        tp=a.tp_size,
         attention_backend=a.attention_backend,
         tokenizer=a.tokenizer,
         work=a.work,

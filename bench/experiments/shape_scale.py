@@ -68,6 +68,17 @@ SHAPES = {
         "tie_word_embeddings": True,
         "vocab_size": QWEN3_VOCAB,
     },
+    # the 27B-32B class the paper's agent drafter serves; on one GPU only under tensor parallelism (--tp-size)
+    "qwen3-32b": {
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "vocab_size": QWEN3_VOCAB,
+    },
 }
 SHAPE_KEYS = tuple(k for k in SHAPES["qwen3-8b"] if k != "vocab_size")
 # the paper's seven-benchmark mean acceptance length at T = 0 with Qwen3-8B (project page)
@@ -331,6 +342,7 @@ class ScaleConfig:
     block: int = 16
     top_k: int = 8
     group: int = 4  # servers started side by side
+    tp: int = 1  # SGLang's --tp-size: every server on this many GPUs (then one server at a time)
     flags: list[str] | None = None
     attention_backend: str = "triton"  # SGLang's --attention-backend for target and drafters alike
     tokenizer: str | None = None  # a folder with tokenizer.json; default: the built-in target's
@@ -356,6 +368,10 @@ class ScaleConfig:
             raise ConfigError(f"section {self.section!r}: the summary's SGLang-at-scale sections are speed_scale*")
         if self.profile_requests < 0 or self.profile_tokens < 1:
             raise ConfigError("profile_requests must be >= 0 and profile_tokens >= 1")
+        if self.tp < 1 or (self.tp > 1 and self.group != 1):
+            raise ConfigError(
+                f"tp {self.tp} with group {self.group}: tp >= 1, and a tp > 1 server holds every GPU (group 1)"
+            )
         bad = [t for t in self.taus if not 1 <= t <= self.block]
         if bad:
             raise ConfigError(f"forced τ {bad} outside [1, block {self.block}]")
@@ -405,8 +421,15 @@ def run_scale(cfg: ScaleConfig) -> dict:
     prompts = _prompts(cfg, AutoTokenizer.from_pretrained(paths["target"]))
     flags = _with(
         list(DEFAULT_FLAGS if cfg.flags is None else cfg.flags),
-        (*SCALE_FLAGS, "--attention-backend", cfg.attention_backend),
+        (
+            *SCALE_FLAGS,
+            "--attention-backend",
+            cfg.attention_backend,
+            *(("--tp-size", str(cfg.tp)) if cfg.tp > 1 else ()),
+        ),
     )
+    # one document per shape and tensor-parallel size
+    shape_key = paths["name"] + (f"-tp{cfg.tp}" if cfg.tp > 1 else "")
     out = Path(cfg.out) if cfg.out else work / "sglang_scale.json"
     whole = json.loads(out.read_text()) if out.is_file() else {"shapes": {}}
     settings = {
@@ -419,23 +442,23 @@ def run_scale(cfg: ScaleConfig) -> dict:
         "prompts": len(prompts),
         "vocab": json.loads((Path(paths["target"]) / "config.json").read_text())["vocab_size"],
     }
-    doc = whole["shapes"].get(paths["name"], {})
+    doc = whole["shapes"].get(shape_key, {})
     if doc.get("settings") != settings:
         doc = {"settings": settings, "variants": {}}
     variants = [(m, None) for m in cfg.methods if m == "ar"]
     variants += [(m, t) for m in cfg.methods if m != "ar" for t in cfg.taus]
     todo = [v for v in variants if "by_concurrency" not in doc["variants"].get(variant_name(*v), {})]
-    bar = tqdm(total=len(todo), desc=f"sglang {paths['name']}", disable=not cfg.progress)
+    bar = tqdm(total=len(todo), desc=f"sglang {shape_key}", disable=not cfg.progress)
 
     def launch(method, tau):
         name = variant_name(method, tau)
         env, timing = {}, None
         if method != "ar":
-            timing = work / "timing" / f"{paths['name']}-{name}.json"
+            timing = work / "timing" / f"{shape_key}-{name}.json"
             timing.unlink(missing_ok=True)
             env = {"SGLANG_SIMULATE_ACC_LEN": str(tau), "DSPINE_SGLANG_TIMING": str(timing)}
         draft = None if method == "ar" else paths[method]
-        log = work / "logs" / f"{paths['name']}-{name}.log"
+        log = work / "logs" / f"{shape_key}-{name}.log"
         return SGLangServer(paths["target"], draft, cfg.block, flags, "bfloat16", log, env=env), timing
 
     for i in range(0, len(todo), cfg.group):
@@ -451,7 +474,7 @@ def run_scale(cfg: ScaleConfig) -> dict:
                         srv, prompts, cfg.concurrencies, cfg.max_new_tokens, timing
                     )
                     if cfg.profile_requests and timing is not None:
-                        folder = work / "profiles" / f"{paths['name']}-{name}"
+                        folder = work / "profiles" / f"{shape_key}-{name}"
                         try:
                             entry["profile"] = profile_rounds(
                                 srv, prompts, cfg.profile_requests, cfg.profile_tokens, folder, timing
@@ -463,7 +486,7 @@ def run_scale(cfg: ScaleConfig) -> dict:
                 srv.close()
                 doc["variants"][name] = entry
                 doc.update(analyse(doc, cfg.measured_tau, _kernels(cfg.kernels)))
-                whole["shapes"][paths["name"]] = {**doc, "sglang_version": sglang_version(), **provenance()}
+                whole["shapes"][shape_key] = {**doc, "sglang_version": sglang_version(), **provenance()}
                 atomic_write_text(out, json.dumps(whole, indent=1))
                 bar.update(1)
         finally:
