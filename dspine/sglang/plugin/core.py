@@ -153,10 +153,9 @@ class VocabShard:
         return all_ids.gather(1, at), best
 
     def scores(self, inj: Injection, norm: nn.Module, codes, h_pre, f, cand) -> torch.Tensor:
-        """decoding.scores_table over the whole vocabulary: S (N, B-2, K, K) for global candidates cand."""
+        """Under TP: decoding.scores_table over the whole vocabulary, S (N, B-2, K, K) for global candidates cand
+        (one rank walks through decoding.greedy_transition_walk itself)."""
         fast = kernels.fused_width_ok(h_pre)
-        if self.group is None:
-            return scores_table(inj, norm, self.weight, codes, h_pre, f, cand, fast)
         # a table of the candidates' own rows: this rank's head rows (zero where another rank holds the row)
         # and every candidate's code, indexed by position, so scores_table runs unchanged
         local = cand - self.start
@@ -182,15 +181,12 @@ def propose_block(
     lm_head or this rank's VocabShard of it, codes (V, r) -> tokens (bs, B-1), through dspine's own
     greedy_transition_walk (on one rank) or the shard's merged candidates and summed table (under TP)."""
     bs, Bm1, d = slots.shape
-    fast = kernels.enabled(slots)
-    if isinstance(head, VocabShard) and head.group is not None:
-        cand, _ = head.top_candidates(slots.reshape(bs * Bm1, d), top_k, fast)
-        cand = cand.view(bs, Bm1, -1)
-        return walk_table(cand, head.scores(inj, norm, codes, h_pre, f, cand))
-    if isinstance(head, VocabShard):
-        head = head.weight
-    cand, _ = top_candidates(slots.reshape(bs * Bm1, d), head, top_k, fast=fast)
-    return greedy_transition_walk(cand.view(bs, Bm1, -1), inj, norm, head, codes, h_pre, f)
+    shard = head if isinstance(head, VocabShard) else VocabShard(head, head.shape[0])
+    cand, _ = shard.top_candidates(slots.reshape(bs * Bm1, d), top_k, kernels.enabled(slots))
+    cand = cand.view(bs, Bm1, -1)
+    if shard.group is None:
+        return greedy_transition_walk(cand, inj, norm, shard.weight, codes, h_pre, f)
+    return walk_table(cand, shard.scores(inj, norm, codes, h_pre, f, cand))
 
 
 def vocab_rows(model, head: torch.Tensor) -> torch.Tensor:
@@ -205,8 +201,6 @@ def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor | VocabSha
     (`model.dspine_state`: h_pre, f); head (V_padded, d) the target's lm_head, or this rank's VocabShard of it
     -> tokens (bs*(B-1),)."""
     bs, Bm1, _ = slots.shape
-    if not isinstance(head, VocabShard):
-        head = VocabShard(head, model.transfer_codes.shape[0])
     st = model.dspine_state
     last = str(max(model.inject_layers))
     return propose_block(
@@ -215,7 +209,7 @@ def propose_from_state(model, slots: torch.Tensor, head: torch.Tensor | VocabSha
         st["f"].view(bs, Bm1 + 1, -1),
         model.injections[last],
         model.norm_for_scores,
-        head,
+        head if isinstance(head, VocabShard) else VocabShard(head, model.transfer_codes.shape[0]),
         model.transfer_codes,
         model.dspine.top_k,
     ).reshape(-1)
@@ -227,9 +221,10 @@ class DSpineDraftSampler:
     1..B-1 of every block into `out`."""
 
     def __init__(self, model, head: torch.Tensor | VocabShard, block_size: int, max_bs: int):
+        if not isinstance(head, VocabShard):  # one rank: the head's rows of the drafter's vocabulary
+            head = VocabShard(head, model.transfer_codes.shape[0])
         self.model, self.head, self.block_size = model, head, int(block_size)
-        device = (head.weight if isinstance(head, VocabShard) else head).device
-        self.out = torch.empty(int(max_bs) * (self.block_size - 1), dtype=torch.int64, device=device)
+        self.out = torch.empty(int(max_bs) * (self.block_size - 1), dtype=torch.int64, device=head.weight.device)
 
     def __call__(self, hidden_states: torch.Tensor, input_ids=None) -> None:
         """hidden_states (bs*B, d) after the final norm."""
