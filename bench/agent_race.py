@@ -38,6 +38,7 @@ from dspine.engine import Engine
 from dspine.goodput import TreePolicy
 from dspine.io import atomic_write_text, json_text, md_table, provenance, update_summary
 from dspine.options import EngineOptions
+from dspine.prefix import PrefixCache
 from dspine.sampling import SamplingParams
 from dspine.state import TreeProfile
 from dspine.suffix import SuffixConfig, SuffixCorpus
@@ -165,6 +166,15 @@ def build_engines(a, target, cfg: SuffixConfig, corpus: SuffixCorpus) -> dict:
     return engines
 
 
+def warm_up(engines: dict, ids: list[int], prefix_tokens: int) -> None:
+    """An untimed first call per engine (the int8 drafter's kernels, allocations), then each method its own empty
+    prefix cache of `prefix_tokens` (AR alike), or none."""
+    for eng in engines.values():
+        eng.prefix_cache = None
+        eng.generate(ids, SamplingParams(max_tokens=8))
+        eng.prefix_cache = PrefixCache(prefix_tokens) if prefix_tokens else None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", help="a file or folder of conversations (default: the shipped ones)")
@@ -213,6 +223,13 @@ def main(argv=None) -> int:
         "skip_drafter_tokens)",
     )
     ap.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        help="every method (AR included) keeps this many prompt tokens' prefill for reuse, as `dspine serve` does "
+        "(dspine/prefix.py: a turn that begins with an earlier turn's prompt prefills only the rest); 0: none",
+    )
+    ap.add_argument(
         "--methods",
         type=lambda t: [x for x in t.split(",") if x],
         default=[],
@@ -239,8 +256,7 @@ def main(argv=None) -> int:
     forwards = [0]  # target forwards: τ here is tokens per forward after the prefill, AR rounds included
     real_forward = target.forward
     target.forward = lambda *x, **k: forwards.__setitem__(0, forwards[0] + 1) or real_forward(*x, **k)
-    for eng in engines.values():  # untimed first calls (the int8 drafter's kernels, allocations)
-        eng.generate(rows[0]["ids"][-64:], SamplingParams(max_tokens=8))
+    warm_up(engines, rows[0]["ids"][-64:], a.prefix_cache_tokens)
     if a.concurrency > 1:
         return _race_batched(a, engines, rows, params, methods)
     t_start, out = time.time(), Path(a.out)
@@ -276,6 +292,7 @@ def main(argv=None) -> int:
                     "tokens": res.token_ids,
                     "seconds": res.seconds,
                     "prefill_s": pre,
+                    "cached": res.cached_tokens,
                     "rounds": forwards[0] - before - 1,  # the forwards after the prefill's
                 }
             )
@@ -353,6 +370,7 @@ def cell_figures(rows: list[dict], results: dict, methods: tuple) -> dict:
             "rows": len(idx),
             "tasks": len({rows[i]["task"] for i in idx}),
             "prompt_tokens_mean": round(sum(len(rows[i]["ids"]) for i in idx) / len(idx), 1),
+            "cached_tokens_mean": round(sum(results["ar"][i].get("cached", 0) for i in idx) / len(idx), 1),
             "tau": {},
             "tokens_per_s": {},
             "decode_tokens_per_s": {},
@@ -413,7 +431,13 @@ def race_table(doc: dict) -> str:
     for w, c in doc["workloads"].items():
         lines.append(
             f"**{w}** — {c['rows']} turns, {c['tasks']} tasks, {c['tokens']} tokens per method, prompts "
-            f"{c['prompt_tokens_mean']:.0f} tokens on average\n"
+            f"{c['prompt_tokens_mean']:.0f} tokens on average"
+            + (
+                f" ({c['cached_tokens_mean']:.0f} of them reused from AR's prefix cache)"
+                if c.get("cached_tokens_mean")
+                else ""
+            )
+            + "\n"
         )
         rows = [
             [

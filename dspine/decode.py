@@ -104,7 +104,20 @@ class BatchDecode:
     at each boundary — slower, for benchmarks only. `workloads[i]`: whose part of the engine's suffix corpus drafts
     for row i (default "default")."""
 
-    _ROW_LISTS = ("lens", "tags", "peak", "t0", "stats", "stops", "anchors", "finished", "forced", "accept", "suffix")
+    _ROW_LISTS = (
+        "lens",
+        "cached",
+        "tags",
+        "peak",
+        "t0",
+        "stats",
+        "stops",
+        "anchors",
+        "finished",
+        "forced",
+        "accept",
+        "suffix",
+    )
 
     @torch.no_grad()
     def __init__(
@@ -151,7 +164,7 @@ class BatchDecode:
         self.stops = [Stopper(tgt, r, cb) for r, cb in zip(rows, on_tokens or [None] * N)]
         V = tgt.info.vocab_size
         self.counts = torch.zeros(N, V, device=dev) if any(r.penalized for r in rows) else None  # output tokens
-        self.cache, self.valid, last, feats = prefill(tgt, ids, self.layer_ids)  # valid (N, L)
+        self.cache, self.valid, last, feats, self.cached = prefill(tgt, ids, self.layer_ids, engine.prefix_cache)
         self.dense = N == 1  # every cache column committed: rounds need no mask
         pos = torch.arange(self.width, device=dev).expand(N, -1)
         self.committed = torch.tensor(self.lens, device=dev)  # tokens each row has in its cache = the anchor's position
@@ -500,6 +513,7 @@ class BatchDecode:
             text=s.result_text(),
             finish_reason=s.finish_reason or "length",
             prompt_tokens=self.lens[i],
+            cached_tokens=self.cached[i],
             method=self.engine.method,
             stats=self.stats[i],
             seconds=time.perf_counter() - self.t0[i],

@@ -14,6 +14,7 @@ from dspine.decoding import DraftTree
 from dspine.drafter import DSpineDraftModel
 from dspine.goodput import DraftPolicy, TreePolicy
 from dspine.options import CPU_DRAFT_LEN, CPU_DRAFT_TREE, GPU_DRAFT_TREE, EngineOptions, default_draft_tree
+from dspine.prefix import PrefixCache
 from dspine.sampling import RequestError, SamplingParams, sample, warp_probs
 from dspine.state import DraftContext, GenerationResult, TreeProfile
 from dspine.suffix import SuffixConfig, SuffixCorpus
@@ -49,6 +50,7 @@ class Engine:
         goodput: bool = False,
         suffix: SuffixConfig | None = None,
         corpus: SuffixCorpus | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         """`draft_len`: drafts verified per round (1 .. block_size-1; default block_size-1), a decode-time
         choice: each draft costs a row of the target's verify forward. `draft_block`: block slots the drafter
@@ -68,8 +70,10 @@ class Engine:
         drafter's tree (every node; the drafter's forward skipped when the suffix expects `skip_drafter_tokens`
         accepted — or, with `tree_goodput`, the nodes and whether the drafter runs chosen by goodput from the
         rounds' measured cost and acceptance, goodput.TreePolicy); a batched round gives a row the suffix's chain
-        instead of the drafter's where the suffix expects more."""
+        instead of the drafter's where the suffix expects more. `prefix_cache` (prefix.PrefixCache): a prompt that
+        begins with an earlier prompt prefills only the rest."""
         self.target = target
+        self.prefix_cache = prefix_cache
         self.drafter = drafter.bind(target) if drafter is not None else None
         self.suffix, self.corpus = suffix, corpus
         if corpus is not None and suffix is None:

@@ -17,6 +17,7 @@ CPU_DRAFT_TREE = "0000.1"
 # (bench/results/tree_profile_t0.md), measured against the chain in bench/results/engine_cuda_trees.md
 GPU_DRAFT_TREE = "000000000000000.00000001.000001.00001.0001000.0010.010.02.100.20"
 DRAFT_POLICIES = ("fixed", "goodput")
+PREFIX_CACHE_TOKENS = 16384  # SmolLM2-135M in fp32 holds ~58 KB per cached token (its K/V and the drafter's features)
 
 
 def default_draft_tree(device_type: str, cfg) -> str | None:
@@ -63,6 +64,11 @@ class EngineOptions:
         '"workload": ...} rows — this target\'s token ids of past traffic — indexed per workload at start; served '
         "requests are added as they finish (dspine/suffix.py)"
     )
+    prefix_cache_tokens: int | None = option(
+        help="prompt tokens whose prefill is kept for reuse: a prompt that begins with an earlier prompt (an agent's "
+        "next turn, a shared system prompt) prefills only the rest (dspine/prefix.py; SGLang's radix cache, vLLM's "
+        f"prefix caching); 0: off (default {PREFIX_CACHE_TOKENS})"
+    )
     suffix: bool = False  # suffix drafting on (from the drafter spec: `suffix`, `CHECKPOINT+suffix`)
 
     def build(self, target, drafter):
@@ -79,6 +85,8 @@ class EngineOptions:
                 raise ValueError(f"{flag} needs a drafter")
         if self.suffix_corpus is not None and not self.suffix:
             raise ValueError("--suffix-corpus needs suffix drafting: --drafter suffix or --drafter CHECKPOINT+suffix")
+        if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 0:
+            raise ValueError(f"--prefix-cache-tokens {self.prefix_cache_tokens}: 0 (off) or more")
         if self.draft_policy is not None and self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"--draft-policy {self.draft_policy!r}: one of {', '.join(DRAFT_POLICIES)}")
         draft_len, spec_max_batch, tree, draft_block = self.draft_len, self.spec_max_batch, self.draft_tree, None
@@ -94,6 +102,7 @@ class EngineOptions:
             draft_block = draft_len + 1  # only the slots that are verified: the drafter's forward shrinks with them
         tree = None if tree == "none" else tree
         from dspine.engine import Engine
+        from dspine.prefix import PrefixCache
         from dspine.suffix import SuffixConfig, SuffixCorpus
 
         suffix = corpus = None
@@ -104,6 +113,8 @@ class EngineOptions:
                 if self.suffix_corpus
                 else SuffixCorpus(suffix, vocab)
             )
+        tokens = PREFIX_CACHE_TOKENS if self.prefix_cache_tokens is None else self.prefix_cache_tokens
+        prefix = PrefixCache(tokens) if tokens else None
         return Engine(
-            target, drafter, draft_len, draft_block, spec_max_batch, tree, policy == "goodput", suffix, corpus
+            target, drafter, draft_len, draft_block, spec_max_batch, tree, policy == "goodput", suffix, corpus, prefix
         )

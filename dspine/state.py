@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspine.drafter import DSpineDraftModel
+from dspine.prefix import PrefixCache
 from dspine.sampling import SamplingParams
 from dspine.stats import AcceptanceStats
 from dspine.target import Target
@@ -22,6 +23,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int
     method: str
+    cached_tokens: int = 0  # prompt positions reused from the engine's prefix cache (not prefilled again)
     stats: AcceptanceStats | None = None
     seconds: float = 0.0
     timings: dict = field(default_factory=dict)
@@ -160,27 +162,41 @@ class DraftContext:
 _PREFILL_MIN = 32  # a prompt shorter than this costs a forward about what one of this length does (weights stream)
 
 
-def prefill(tgt: Target, ids: list[list[int]], layer_ids):
+def prefill(tgt: Target, ids: list[list[int]], layer_ids, prefix: PrefixCache | None = None):
     """Prompts -> (target cache, valid (N, L), logits at each prompt's last token (N, V), the layer features
-    (N, L, F) or None). One forward over the prompts padded to the longest, or, where that padding would cost
-    more than the extra forwards, one forward per prompt and the caches padded together with masked columns."""
+    (N, L, F) or None, the positions each prompt reused from `prefix`). One forward over the prompts padded to the
+    longest, or, where that padding would cost more than the extra forwards (or a prompt begins with one that
+    `prefix` holds: only the rest is computed, from that position), one forward per prompt and the caches padded
+    together with masked columns. Every prompt is then kept in `prefix`."""
     N, lens, dev = len(ids), [len(x) for x in ids], tgt.device
     L = max(lens)
     valid = torch.arange(L, device=dev)[None] < torch.tensor(lens, device=dev)[:, None]
     last = torch.tensor(lens, device=dev) - 1
-    if N == 1 or sum(max(n, _PREFILL_MIN) for n in lens) >= N * L:
+    hits = [prefix.lookup(x, layer_ids) if prefix is not None else (0, None) for x in ids]
+    if not any(e for _, e in hits) and (N == 1 or sum(max(n, _PREFILL_MIN) for n in lens) >= N * L):
         cache, pos = tgt.new_cache(), torch.arange(L, device=dev).expand(N, L)
         inp = torch.tensor([x + [x[-1]] * (L - len(x)) for x in ids], device=dev)
         logits, feats = tgt.forward(inp, cache, layer_ids, valid.long(), pos, logits_at=last)
-        return cache, valid, logits[:, 0], feats
-    caches, logits, feats = [], [], []
-    for x, at in zip(ids, last):
-        caches.append(tgt.new_cache())
-        lg, ft = tgt.forward(torch.tensor([x], device=dev), caches[-1], layer_ids, logits_at=at[None])
-        logits.append(lg[:, 0])
-        feats.append(ft)
-    feats = torch.cat([pad_columns(f, L) for f in feats]) if layer_ids is not None else None
-    return stack_caches(caches, L), valid, torch.cat(logits), feats
+        logits = logits[:, 0]
+    else:
+        caches, logits, feats = [], [], []
+        for x, (m, entry) in zip(ids, hits):
+            caches.append(entry.cache(tgt, m) if entry is not None else tgt.new_cache())
+            rest = torch.tensor([x[m:]], device=dev)
+            pos = torch.arange(m, len(x), device=dev)[None] if m else None
+            lg, ft = tgt.forward(
+                rest, caches[-1], layer_ids, position_ids=pos, logits_at=last.new_tensor([len(x) - 1 - m])
+            )
+            logits.append(lg[:, 0])
+            if ft is not None and m:
+                ft = torch.cat([entry.feats[None, :m].to(ft), ft], 1)
+            feats.append(ft)
+        feats = torch.cat([pad_columns(f, L) for f in feats]) if layer_ids is not None else None
+        cache, logits = stack_caches(caches, L), torch.cat(logits)
+    if prefix is not None:
+        for i, x in enumerate(ids):
+            prefix.insert(x, cache, i, feats[i] if feats is not None else None, layer_ids)
+    return cache, valid, logits, feats, [m for m, _ in hits]
 
 
 def pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -114,6 +114,8 @@ def test_the_openai_clients_responses_equal_chat_completions(server):
         chat.usage.prompt_tokens,
         chat.usage.completion_tokens,
     )
+    # the same prompt again: all of it but its last token reused from the prefix cache, and said so
+    assert resp.usage.input_tokens_details.cached_tokens == chat.usage.prompt_tokens - 1
     assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     record = read_json_url(f"{server}/v1/dspine/requests/{resp.id}")
     assert record["completion_tokens"] == resp.usage.output_tokens and record["spec"]["spec_verify_ct"] > 0

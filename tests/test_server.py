@@ -343,9 +343,14 @@ def test_tool_calling_conversation_through_an_openai_client(server, smollm2, smo
         smollm2.chat_ids(template_messages(parse_request({"messages": follow, "tools": [WEATHER]}, True), False)[0]),
         SamplingParams(max_tokens=16),
     )
-    assert done.usage.prompt_tokens == len(
-        smollm2.chat_ids(template_messages(parse_request({"messages": follow, "tools": [WEATHER]}, True), False)[0])
-    )
+    ids = [
+        smollm2.chat_ids(template_messages(parse_request({"messages": m, "tools": [WEATHER]}, True), False)[0])
+        for m in (ask, follow)
+    ]
+    assert done.usage.prompt_tokens == len(ids[1])
+    # the follow-up begins with the first call's prompt: its prefill is reused (the prefix cache, on by default)
+    shared = next((i for i, (x, y) in enumerate(zip(*ids)) if x != y), len(ids[0]))
+    assert shared > 100 and done.usage.prompt_tokens_details.cached_tokens >= shared
     chunks = list(client.chat.completions.create(stream=True, **kw))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]

@@ -99,7 +99,16 @@ class DrafterRegistry:
         block = cur.draft_block if keep is not None and chosen and cur.draft_block <= B else None
         tree = cur.tree if keep is not None and cur.tree is not None and cur.tree.fits(drafter.config) else None
         engine = Engine(
-            tgt, drafter, keep, block, cur.spec_max_batch, tree, cur.policy is not None, cur.suffix, cur.corpus
+            tgt,
+            drafter,
+            keep,
+            block,
+            cur.spec_max_batch,
+            tree,
+            cur.policy is not None,
+            cur.suffix,
+            cur.corpus,
+            cur.prefix_cache,  # its entries are the target's, shared (the features are kept per target layers)
         )
         return engine, None if drafter is None else (name or self.unique_label(drafter_label(path), path))
 

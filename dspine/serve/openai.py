@@ -23,6 +23,7 @@ from dspine.serve.protocol import (
     Completion,
     Delta,
     DeltaChoice,
+    PromptTokensDetails,
     RequestInvalid,
     TextChoice,
     Usage,
@@ -217,6 +218,7 @@ class OpenAIShaping:
                 **spec,
                 "id": rec.request_id,
                 "prompt_tokens": rec.prompt_tokens,
+                "cached_tokens": rec.cached_tokens or 0,
                 "completion_tokens": rec.completion_tokens,
                 "reasoning_effort": rec.thinking,
             }
@@ -274,6 +276,7 @@ def usage(rec: RequestRecord) -> Usage:
         prompt_tokens=rec.prompt_tokens,
         completion_tokens=rec.completion_tokens,
         total_tokens=rec.prompt_tokens + rec.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=rec.cached_tokens or 0),
     )
 
 

@@ -231,10 +231,15 @@ class CompletionRequest(_Request):
 
 
 # ---- responses (built with every field given and dumped with exclude_unset: absent stays absent, null stays null)
+class PromptTokensDetails(_Model):
+    cached_tokens: int  # prompt tokens reused from the prefix cache, not prefilled again
+
+
 class Usage(_Model):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class AssistantMessage(_Model):

@@ -22,6 +22,7 @@ class RequestRecord:
     method: str | None = None
     stream: bool = False
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of them, reused from the engine's prefix cache
     completion_tokens: int | None = None
     finish_reason: str | None = None
     latency_s: float | None = None

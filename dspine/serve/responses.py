@@ -250,7 +250,7 @@ def _usage(u: dict | None) -> dict | None:
         return None
     return {
         "input_tokens": u["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
         "output_tokens": u["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u["total_tokens"],

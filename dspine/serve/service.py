@@ -174,6 +174,7 @@ class Service(OpenAIShaping):
             thinking=req.effort,
             stream=req.stream,
             prompt_tokens=res.prompt_tokens,
+            cached_tokens=res.cached_tokens,
             completion_tokens=sum(r.completion_tokens for r in results),
             finish_reason=res.finish_reason,
             latency_s=time.time() - t0,
