@@ -37,7 +37,7 @@ from dspine.drafters import builtin_drafter
 from dspine.engine import Engine
 from dspine.goodput import TreePolicy
 from dspine.io import atomic_write_text, json_text, md_table, provenance, update_summary
-from dspine.options import EngineOptions
+from dspine.options import PREFIX_CACHE_TOKENS, EngineOptions
 from dspine.prefix import PrefixCache
 from dspine.sampling import SamplingParams
 from dspine.state import TreeProfile
@@ -48,11 +48,26 @@ METHODS = ("ar", "suffix", "suffix+corpus", "dspine", "hybrid")
 ADAPTED = ("dspine-adapted", "hybrid-adapted")  # with --adapted: the fine-tuned drafter, alone and in the hybrid
 
 
+PREFIX = "@prefix"  # a method's variant with a prefix cache (--prefix-variants)
+
+
+def ar_of(m: str) -> str:
+    """The AR a method is compared with: the one with a prefix cache for a @prefix variant."""
+    return "ar" + PREFIX if m.endswith(PREFIX) else "ar"
+
+
+def suffix_of(h: str) -> str:
+    """suffix+corpus, the single method a hybrid is compared with beside its drafter (in its own cache setting)."""
+    return "suffix+corpus" + (PREFIX if h.endswith(PREFIX) else "")
+
+
 def hybrid_pairs(methods) -> dict:
     """Each hybrid method -> its DSpine drafter alone, what it is compared with beside suffix+corpus (hybrid and
-    its variants hybrid@skipN -> dspine; hybrid-adapted... -> dspine-adapted), where both are in the run."""
+    its variants hybrid@skipN -> dspine; hybrid-adapted... -> dspine-adapted; a @prefix variant -> the drafter's
+    @prefix variant), where both are in the run."""
     pairs = {m: "dspine-adapted" if m.startswith("hybrid-adapted") else "dspine" for m in methods if "hybrid" in m}
-    return {h: d for h, d in pairs.items() if d in methods and "suffix+corpus" in methods}
+    pairs = {h: d + (PREFIX if h.endswith(PREFIX) else "") for h, d in pairs.items()}
+    return {h: d for h, d in pairs.items() if d in methods and suffix_of(h) in methods}
 
 
 def ratio_key(h: str) -> str:
@@ -166,13 +181,25 @@ def build_engines(a, target, cfg: SuffixConfig, corpus: SuffixCorpus) -> dict:
     return engines
 
 
-def warm_up(engines: dict, ids: list[int], prefix_tokens: int) -> None:
+def warm_up(engines: dict, ids: list[int], a) -> dict:
     """An untimed first call per engine (the int8 drafter's kernels, allocations), then each method its own empty
-    prefix cache of `prefix_tokens` (AR alike), or none."""
+    prefix cache of --prefix-cache-tokens (AR alike), or none; with --prefix-variants, every method again as
+    METHOD@prefix with one (and the methods without) -> the engines."""
+    tokens = a.prefix_cache_tokens or (PREFIX_CACHE_TOKENS if a.prefix_variants else 0)
     for eng in engines.values():
         eng.prefix_cache = None
         eng.generate(ids, SamplingParams(max_tokens=8))
-        eng.prefix_cache = PrefixCache(prefix_tokens) if prefix_tokens else None
+    out = {}
+    for m, eng in engines.items():
+        if a.prefix_variants:
+            out[m], eng = eng, copy.copy(eng)
+            eng.tree_profile = TreeProfile(len(eng.tree_profile.offered))
+            if eng.tree_policy is not None:
+                eng.tree_policy = TreePolicy(eng.round_tree, eng.tree_profile, eng.suffix)
+            m += PREFIX
+        eng.prefix_cache = PrefixCache(tokens) if tokens else None
+        out[m] = eng
+    return out
 
 
 def main(argv=None) -> int:
@@ -230,6 +257,12 @@ def main(argv=None) -> int:
         "(dspine/prefix.py: a turn that begins with an earlier turn's prompt prefills only the rest); 0: none",
     )
     ap.add_argument(
+        "--prefix-variants",
+        action="store_true",
+        help="every method runs twice, without a prefix cache and as METHOD@prefix with one (of "
+        f"--prefix-cache-tokens, else {PREFIX_CACHE_TOKENS}); each × AR is against the AR of its own setting",
+    )
+    ap.add_argument(
         "--methods",
         type=lambda t: [x for x in t.split(",") if x],
         default=[],
@@ -249,14 +282,13 @@ def main(argv=None) -> int:
     corpus = SuffixCorpus(cfg, target.info.vocab_size)
     for w, ids in pool:
         corpus.add(ids, w)
-    engines = build_engines(a, target, cfg, corpus)
+    engines = warm_up(build_engines(a, target, cfg, corpus), rows[0]["ids"][-64:], a)
     methods = tuple(engines)
     params = SamplingParams(max_tokens=a.max_new_tokens, temperature=0.0)
     results: dict[str, list[dict]] = {m: [] for m in methods}
     forwards = [0]  # target forwards: τ here is tokens per forward after the prefill, AR rounds included
     real_forward = target.forward
     target.forward = lambda *x, **k: forwards.__setitem__(0, forwards[0] + 1) or real_forward(*x, **k)
-    warm_up(engines, rows[0]["ids"][-64:], a.prefix_cache_tokens)
     if a.concurrency > 1:
         return _race_batched(a, engines, rows, params, methods)
     t_start, out = time.time(), Path(a.out)
@@ -332,10 +364,10 @@ def _race_batched(a, engines: dict, rows: list[dict], params: SamplingParams, me
         doc["workloads"][w] = cell
     toks = {m: sum(len(r.token_ids) for r in res) for m, (res, _) in got.items()}
     doc["tokens_per_s"] = {m: round(toks[m] / secs, 2) for m, (_, secs) in got.items()}
-    doc["speed_vs_ar"] = {m: round(doc["tokens_per_s"][m] / doc["tokens_per_s"]["ar"], 3) for m in methods}
+    doc["speed_vs_ar"] = {m: round(doc["tokens_per_s"][m] / doc["tokens_per_s"][ar_of(m)], 3) for m in methods}
     pairs = hybrid_pairs(methods)
     for h, d in pairs.items():
-        doc[ratio_key(h)] = round(doc["tokens_per_s"][h] / max(doc["tokens_per_s"][m] for m in ("suffix+corpus", d)), 3)
+        doc[ratio_key(h)] = round(doc["tokens_per_s"][h] / max(doc["tokens_per_s"][m] for m in (suffix_of(h), d)), 3)
     rows_md = [
         [
             m,
@@ -389,10 +421,10 @@ def cell_figures(rows: list[dict], results: dict, methods: tuple) -> dict:
             cell["decode_tokens_per_s"][m] = round((toks - len(got)) / dec, 2)
             cell["match_ar"][m] = sum(g["tokens"] == results["ar"][i]["tokens"] for g, i in zip(got, idx)) / len(idx)
         for m in methods:
-            cell["speed_vs_ar"][m] = round(cell["tokens_per_s"][m] / cell["tokens_per_s"]["ar"], 3)
-            cell["decode_vs_ar"][m] = round(cell["decode_tokens_per_s"][m] / cell["decode_tokens_per_s"]["ar"], 3)
+            cell["speed_vs_ar"][m] = round(cell["tokens_per_s"][m] / cell["tokens_per_s"][ar_of(m)], 3)
+            cell["decode_vs_ar"][m] = round(cell["decode_tokens_per_s"][m] / cell["decode_tokens_per_s"][ar_of(m)], 3)
         for h, d in hybrid_pairs(methods).items():
-            best = max(cell["tokens_per_s"][m] for m in ("suffix+corpus", d))
+            best = max(cell["tokens_per_s"][m] for m in (suffix_of(h), d))
             cell[ratio_key(h)] = round(cell["tokens_per_s"][h] / best, 3)
         cell["ci95"] = task_intervals(rows, idx, results, methods)
         out[w] = cell
@@ -413,9 +445,9 @@ def task_intervals(rows: list[dict], idx: list[int], results: dict, methods: tup
         tok = {m: sum(len(results[m][i]["tokens"]) for i in pick) for m in methods}
         tps = {m: tok[m] / sum(results[m][i]["seconds"] for i in pick) for m in methods}
         out = {f"tau/{m}": (tok[m] - len(pick)) / max(1, sum(results[m][i]["rounds"] for i in pick)) for m in methods}
-        out.update({f"x_ar/{m}": tps[m] / tps["ar"] for m in methods})
+        out.update({f"x_ar/{m}": tps[m] / tps[ar_of(m)] for m in methods})
         for h, d in hybrid_pairs(methods).items():
-            out[ratio_key(h)] = tps[h] / max(tps["suffix+corpus"], tps[d])
+            out[ratio_key(h)] = tps[h] / max(tps[suffix_of(h)], tps[d])
         return out
 
     samples = [figures([i for g in rng.choices(groups, k=len(groups)) for i in g]) for _ in range(draws)]
@@ -456,9 +488,9 @@ def race_table(doc: dict) -> str:
         lines.append("")
         for h, d in hybrid_pairs(doc.get("methods", METHODS)).items():
             lines.append(
-                f"{h} / the faster of suffix+corpus and {d}: {c[ratio_key(h)]:.2f} (95% over tasks "
+                f"{h} / the faster of {suffix_of(h)} and {d}: {c[ratio_key(h)]:.2f} (95% over tasks "
                 f"{ci.get(ratio_key(h))}); {h} τ {ci.get('tau/' + h)}, × AR {ci.get('x_ar/' + h)}; {d} τ "
-                f"{ci.get('tau/' + d)}, suffix+corpus τ {ci.get('tau/suffix+corpus')}\n"
+                f"{ci.get('tau/' + d)}, {suffix_of(h)} τ {ci.get('tau/' + suffix_of(h))}\n"
             )
     if doc.get("corpus"):
         lines.append(f"Corpus: {doc['corpus']}, {doc['corpus_tokens']} tokens per workload.\n")

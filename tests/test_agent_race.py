@@ -76,3 +76,14 @@ def test_each_hybrid_is_compared_with_its_own_drafter_and_the_corpus_suffix():
     assert hybrid_pairs(["ar", "dspine", "hybrid"]) == {}  # no suffix+corpus in the run: nothing to compare with
     assert hybrid_pairs(["ar", "suffix+corpus", "hybrid-adapted"]) == {}  # nor without its drafter alone
     assert ratio_key("hybrid-adapted@skip2") == "hybrid_adapted@skip2_over_best_single"
+    # --prefix-variants: a @prefix hybrid is compared with the @prefix drafter and suffix+corpus, against its own AR
+    from agent_race import ar_of, suffix_of
+
+    both = ["ar", "suffix+corpus", "dspine", "hybrid"]
+    both += [m + "@prefix" for m in both]
+    assert hybrid_pairs(both) == {"hybrid": "dspine", "hybrid@prefix": "dspine@prefix"}
+    assert (suffix_of("hybrid@prefix"), ar_of("hybrid@prefix"), ar_of("hybrid")) == (
+        "suffix+corpus@prefix",
+        "ar@prefix",
+        "ar",
+    )
