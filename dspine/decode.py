@@ -274,9 +274,8 @@ class BatchDecode:
                 fits = [bool(sd) and len(sd.best_path()) >= k and sd.expected_tokens() > 1 for sd in suffix]
                 suffix = [sd if ok else None for sd, ok in zip(suffix, fits)]
             return _Plan("chain" if k else "ar", k=k, drafter=k > 0, suffix=suffix if k else [])
-        if engine.suffix is not None:  # suffix alone: the chain every open row can fill
-            k = min((len(suffix[i].best_path()) if suffix[i] else 0) for i in open_rows)
-            k = min(k, engine.draft_len, room)
+        if engine.suffix is not None:  # suffix alone: one chain length, shorter drafts padded (SuffixChainPolicy)
+            k = engine.suffix_policy.choose([suffix[i] for i in open_rows], len(self), min(engine.draft_len, room))
         return _Plan("chain" if k else "ar", k=k, suffix=suffix if k else [])
 
     def _draft(self, plan: _Plan) -> _Round:
@@ -327,13 +326,16 @@ class BatchDecode:
         picks = {i: sd for i, sd in enumerate(plan.suffix) if sd is not None and not self.finished[i]}
         if picks or prop is None:
             tokens = prop.tokens.clone() if prop is not None else torch.zeros(N, k, dtype=torch.long, device=dev)
+            if prop is None:  # suffix alone: every row's best path, a shorter one (or none) padded (SuffixChainPolicy)
+                picks = {i: sd for i, sd in enumerate(plan.suffix)}
             for i, sd in picks.items():
-                tokens[i] = torch.tensor([sd.tokens[j] for j in sd.best_path()[:k]], device=dev)
+                path = [sd.tokens[j] for j in sd.best_path()[:k]] if sd else []
+                tokens[i] = torch.tensor((path + [path[-1] if path else self.anchors[i]] * k)[:k], device=dev)
             q = None
             if not self.params.greedy:
                 V = self.engine.target.info.vocab_size
                 q = prop.q.clone() if prop is not None else torch.zeros(N, k, V, device=dev)
-                for i in picks:
+                for i in picks:  # certain proposals, pads included
                     q[i] = torch.nn.functional.one_hot(tokens[i], V).to(q.dtype)
             prop = Proposal(tokens, q)
         att = None if self.dense else torch.cat([self.valid, self.valid.new_ones(N, k + 1)], 1).long()
@@ -392,6 +394,8 @@ class BatchDecode:
         self.committed = self.committed + n_acc + 1
         if engine.policy is not None:
             self._observe(k if rnd.drafted else 0, n_acc, rnd.feed.shape[1], seconds)
+        if engine.suffix_policy is not None:
+            engine.suffix_policy.observe(len(self) * rnd.feed.shape[1], k > 0, seconds, (len(self), k))
         self._commit(n_acc, nxt, prop, logits)
         if not self.dense:
             self.compact()  # rows that accepted less than the round's longest leave masked holes

@@ -12,7 +12,7 @@ import torch
 from dspine.decode import BatchDecode
 from dspine.decoding import DraftTree
 from dspine.drafter import DSpineDraftModel
-from dspine.goodput import DraftPolicy, TreePolicy
+from dspine.goodput import DraftPolicy, SuffixChainPolicy, TreePolicy
 from dspine.options import CPU_DRAFT_LEN, CPU_DRAFT_TREE, GPU_DRAFT_TREE, EngineOptions, default_draft_tree
 from dspine.prefix import PrefixCache
 from dspine.sampling import RequestError, SamplingParams, sample, warp_probs
@@ -109,6 +109,8 @@ class Engine:
         if suffix is not None:
             self.tree_policy = TreePolicy(self.round_tree, self.tree_profile, suffix)
         self.policy = DraftPolicy(self.draft_len) if goodput and drafter is not None else None
+        # suffix drafts alone: a batched round's chain length (rows padded) by goodput
+        self.suffix_policy = SuffixChainPolicy() if suffix is not None and drafter is None else None
         self.max_positions = target.info.max_position_embeddings
 
     # ---- inputs ----------------------------------------------------------------------------------------

@@ -148,6 +148,29 @@ class DraftPolicy(CostLine):
         return max(range(self.K + 1), key=lambda k: gains[k] / costs[k])
 
 
+class SuffixChainPolicy(CostLine):
+    """A batched round's chain length when suffix drafts alone propose. Each row drafts its best path; a shorter
+    path (or none) is padded with its last token — a pad is verified like any draft, so it is kept only where the
+    target would have chosen it, and at T > 0 it is a certain proposal (q = 1 on it) like every suffix draft.
+    Expected committed tokens of row i at length k: 1 + the sum of its path's node scores up to k (the fraction of
+    the match's occurrences that continue through each node, suffix.SuffixDraft); the k with the most per second
+    of the round's fitted cost wins. Until that line is known (KNOWN_ROUNDS fitted rounds of different widths), the
+    longest length every open row fills, as without padding — one row without a match then makes the round AR."""
+
+    def choose(self, drafts: list, batch: int, cap: int) -> int:
+        """The chain length for a round over `batch` rows (the forward's), `drafts` the open rows' SuffixDrafts
+        (None: no match), at most `cap`."""
+        paths = [[sd.scores[j] for j in sd.best_path()] if sd else [] for sd in drafts]
+        if not paths or cap < 1:
+            return 0
+        fill = min(cap, min(len(p) for p in paths))
+        if float(self.gram[0, 0]) < KNOWN_ROUNDS or self.spread(1) < 1.0:
+            return fill
+        top, line = min(cap, max(len(p) for p in paths)), self.fit()
+        gains = [sum(1 + sum(p[:k]) for p in paths) for k in range(top + 1)]
+        return max(range(top + 1), key=lambda k: gains[k] / max(self.seconds(batch * (k + 1), k > 0, line), 1e-6))
+
+
 class TreePolicy(CostLine):
     """A single request's tree round when suffix drafts join it: which nodes of the drafter's static tree (a
     subtree, `DraftTree.greedy_order` over their measured rates), which of the suffix draft's (best score first)

@@ -94,3 +94,5 @@ def test_draft_lens_and_spec_max_batch_are_parsed_or_refused_clearly(capsys):
     assert "--spec-max-batch needs a drafter" in capsys.readouterr().err
     assert main(["serve", "--drafter", "none", "--draft-policy", "goodput"]) == 2
     assert "--draft-policy needs a drafter" in capsys.readouterr().err
+    assert main(["serve", "--drafter", "none", "--prefix-cache-tokens", "-1"]) == 2
+    assert "--prefix-cache-tokens -1: 0 (off) or more" in capsys.readouterr().err

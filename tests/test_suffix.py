@@ -3,6 +3,7 @@ eviction within a budget), the merge into a drafter's tree, greedy output equal 
 the hybrid (tiny Llama/Qwen3 and SmolLM2; single and batched; chains and trees), χ² against the exact AR marginals
 at T > 0 for suffix-only and hybrid proposals, and bad corpus files refused with one clear error."""
 
+import dataclasses
 import json
 
 import pytest
@@ -356,3 +357,41 @@ def test_hybrid_rounds_sized_by_goodput_equal_ar(arch):
     assert any(t is None for t, sd, _ in plans if sd) and any(t is not None for t, _, _ in plans)  # both kinds
     assert any(len(sd or ()) < n for (_, sd, _), n in zip(plans, offered))  # suffix nodes left out
     assert eng.tree_profile.rounds == sum(t is not None for t, _, _ in plans)
+
+
+def test_padded_suffix_chains_in_a_batch_equal_ar_and_the_policy_pads_only_where_it_pays():
+    """Suffix drafts alone, batched: a row whose match is shorter (or absent) is padded to the round's length.
+    Forced to the longest length every round, greedy output equals AR row for row; the choice pads once the
+    fitted cost of a verified row is small, and drafts only what every row fills while it is dear."""
+    from dspine.goodput import SuffixChainPolicy
+
+    target = tiny_target("llama")
+    prompts = _looping_prompts(target) + [[3, 1, 4, 1, 5, 9, 2, 6]]  # the last: no loop to copy at first
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = [Engine(target).generate(p, greedy).token_ids for p in prompts]
+    eng = Engine(target, None, suffix=CFG)
+    eng.suffix_policy.choose = lambda drafts, batch, cap: cap  # the most padding there can be
+    got = generate_batch(eng, prompts, greedy)
+    assert [g.token_ids for g in got] == want and sum(g.stats.accepted for g in got) > 0
+    sd = lambda n: SuffixDraft(list(range(n)), list(range(-1, n - 1)), [0.9] * n)
+    cheap, dear = SuffixChainPolicy(), SuffixChainPolicy()
+    for r in range(2, 40, 3):  # fitted lines: a verified row costs 1% / 100% of a round's fixed cost
+        cheap.observe(r, True, 1.0 + 0.01 * r, shape="fit")  # (the first of a shape is not fitted)
+        dear.observe(r, True, 1.0 + 1.0 * r, shape="fit")
+    assert SuffixChainPolicy().choose([sd(8), None], 2, 8) == 0  # before any round: what every row fills
+    assert cheap.choose([sd(8), None], 2, 8) == 8 and cheap.choose([sd(8), sd(3)], 2, 5) == 5
+    assert dear.choose([sd(8), None], 2, 8) == 0
+
+
+def test_padded_suffix_chains_sample_as_ar(peaked):
+    """T = 1: padded rows (certain proposals, pads included) verified by rejection sampling give AR's marginals."""
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    corpus = _corpus_of_samples(peaked)
+    eng = Engine(peaked, None, suffix=corpus.cfg, corpus=corpus)
+    eng.suffix_policy.choose = lambda drafts, batch, cap: cap
+    rows = []
+    for seed in range(SAMPLES // 2000):
+        got = generate_batch(eng, [PROMPT] * 2000, dataclasses.replace(params, seed=seed))
+        rows += [g.token_ids for g in got]
+    assert min(chi2_pvalues(torch.tensor(rows), exact_ar_marginals(peaked, params))) > 0.01
+    assert sum(g.stats.accepted for g in got) > 500  # the corpus's drafts were taken, pads and all
