@@ -106,6 +106,7 @@ def test_requests_through_the_proxy_are_recorded_once_with_the_servers_tau(stack
     time.sleep(1.0)  # a duplicate callback, if any, would land now
     rows = _rows(stack["cfg"].db)
     assert sorted(r["request_id"] for r in rows) == sorted(sent)  # each request once, nothing else
+    cached = 0
     for r in rows:
         workload, effort, stream = sent[r["request_id"]]
         assert (r["workload"], r["thinking"], bool(r["stream"])) == (workload, effort, stream)
@@ -117,6 +118,7 @@ def test_requests_through_the_proxy_are_recorded_once_with_the_servers_tau(stack
         assert r["tau"] == AcceptanceStats(len(r["accept_hist"]), r["accept_hist"]).tau
         assert r["completion_tokens"] == own["completion_tokens"] and r["drafter"] == own["drafter"]
         assert r["source"] == "backend_record" and r["model"] == "smol" and r["latency_s"] > 0
+        cached += own["cached_tokens"]
     # Prometheus, labelled by workload and thinking level: two requests (stream + not) per cell
     text = urllib.request.urlopen(f"http://127.0.0.1:{stack['cfg'].metrics_port}/metrics", timeout=10).read().decode()
     for workload in ("swe", "tool_use"):
@@ -131,6 +133,9 @@ def test_requests_through_the_proxy_are_recorded_once_with_the_servers_tau(stack
     rounds = sum(r["verify_rounds"] for r in rows)
     got = sum(float(v) for v in re.findall(r"^dspine_proxy_verify_rounds_total\{[^}]*\} (\S+)$", text, re.M))
     assert got == rounds
+    # each message went twice (stream and not): the second reused the first's prefill, and the proxy counts it
+    got = sum(float(v) for v in re.findall(r"^dspine_proxy_cached_prompt_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+    assert got == cached > 0
 
 
 def test_responses_and_chat_clients_share_the_proxy_with_no_cooldown(stack):

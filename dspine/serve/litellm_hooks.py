@@ -32,7 +32,7 @@ from litellm.integrations.custom_logger import CustomLogger
 from dspine.serve.gate import COUNTS, KEY_REFUSED, key_matches
 from dspine.serve.metrics import AcceptanceMetrics
 from dspine.serve.proxy import backend_read_key
-from dspine.serve.records import RequestRecord, acceptance_from_response, first_choice, reply_ids
+from dspine.serve.records import RequestRecord, acceptance_from_response, cached_of, first_choice, reply_ids
 from dspine.serve.store import AcceptanceStore
 
 _METRICS = None
@@ -184,6 +184,7 @@ class DSpineLogger(CustomLogger):
             completion_tokens=b.get(
                 "completion_tokens", getattr(usage, "completion_tokens", getattr(usage, "output_tokens", None))
             ),
+            cached_tokens=b.get("cached_tokens", cached_of(usage)),
             accept_hist=hist,
             latency_s=(end_time - start_time).total_seconds(),
             source=source,

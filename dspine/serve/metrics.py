@@ -21,6 +21,8 @@ class AcceptanceMetrics:
 
         self.requests = counter("requests", "finished requests")
         self.tokens = counter("completion_tokens", "generated tokens")
+        self.prompt = counter("prompt_tokens", "prompt tokens")
+        self.cached = counter("cached_prompt_tokens", "prompt tokens reused from the prefix cache (not prefilled)")
         self.rounds = counter("verify_rounds", "target verify rounds")
         self.accepted = counter("accepted_drafts", "accepted draft tokens")
         self.committed = counter("committed_tokens", "tokens committed in verify rounds (accepted + 1 per round)")
@@ -35,6 +37,10 @@ class AcceptanceMetrics:
         self.requests.labels(*lab).inc()
         if rec.completion_tokens:
             self.tokens.labels(*lab).inc(rec.completion_tokens)
+        if rec.prompt_tokens:
+            self.prompt.labels(*lab).inc(rec.prompt_tokens)
+        if rec.cached_tokens:
+            self.cached.labels(*lab).inc(rec.cached_tokens)
         if rec.latency_s is not None:
             self.latency.labels(*lab).observe(rec.latency_s)
         stats = rec.stats

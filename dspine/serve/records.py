@@ -86,6 +86,15 @@ def acceptance_from_response(resp) -> dict | None:
     return None
 
 
+def cached_of(usage) -> int | None:
+    """Prompt tokens a backend reused from its prefix cache, from an OpenAI usage (prompt_tokens_details, or the
+    Responses API's input_tokens_details); None where it does not say."""
+    details = getattr(usage, "prompt_tokens_details", None) or getattr(usage, "input_tokens_details", None)
+    if isinstance(details, dict):
+        return details.get("cached_tokens")
+    return getattr(details, "cached_tokens", None)
+
+
 def reply_ids(resp, key: str) -> list[int] | None:
     """Token ids a reply carries (return_token_ids), `key` "prompt_token_ids" or "token_ids" (the completion's):
     at the top level (dspine serve's prompt ids; both as `dspine proxy` lifts them, the completion's as
