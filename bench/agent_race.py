@@ -35,7 +35,7 @@ import torch
 from dspine.checkpoint import load_drafter
 from dspine.drafters import builtin_drafter
 from dspine.engine import Engine
-from dspine.goodput import TreePolicy
+from dspine.goodput import SuffixChainPolicy, TreePolicy
 from dspine.io import atomic_write_text, json_text, md_table, provenance, update_summary
 from dspine.options import PREFIX_CACHE_TOKENS, EngineOptions
 from dspine.prefix import PrefixCache
@@ -171,6 +171,9 @@ def build_engines(a, target, cfg: SuffixConfig, corpus: SuffixCorpus) -> dict:
             eng.suffix = dataclasses.replace(eng.suffix, tree_goodput=True)
             eng.tree_profile = TreeProfile(len(eng.tree_profile.offered))
             eng.tree_policy = TreePolicy(eng.round_tree, eng.tree_profile, eng.suffix)
+    if a.unpadded_variant:  # suffix+corpus with its batched rounds never padded (the rule before SuffixChainPolicy)
+        eng = engines["suffix+corpus@unpadded"] = copy.copy(engines["suffix+corpus"])
+        eng.suffix_policy = SuffixChainPolicy(pad=False)
     for m in [m for m in engines if "hybrid" in m]:
         engines[m].corpus = corpus  # the corpus above (EngineOptions starts an empty one)
     if a.methods:
@@ -261,6 +264,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="every method runs twice, without a prefix cache and as METHOD@prefix with one (of "
         f"--prefix-cache-tokens, else {PREFIX_CACHE_TOKENS}); each × AR is against the AR of its own setting",
+    )
+    ap.add_argument(
+        "--unpadded-variant",
+        action="store_true",
+        help="adds suffix+corpus@unpadded: at --concurrency > 1 its batched rounds verify only the chain every open "
+        "row fills (goodput.SuffixChainPolicy(pad=False)), beside the default that pads shorter rows where it pays",
     )
     ap.add_argument(
         "--methods",

@@ -155,7 +155,12 @@ class SuffixChainPolicy(CostLine):
     Expected committed tokens of row i at length k: 1 + the sum of its path's node scores up to k (the fraction of
     the match's occurrences that continue through each node, suffix.SuffixDraft); the k with the most per second
     of the round's fitted cost wins. Until that line is known (KNOWN_ROUNDS fitted rounds of different widths), the
-    longest length every open row fills, as without padding — one row without a match then makes the round AR."""
+    longest length every open row fills, as without padding — one row without a match then makes the round AR.
+    `pad=False` keeps that rule always (what the padding is measured against)."""
+
+    def __init__(self, pad: bool = True):
+        super().__init__()
+        self.pad = pad
 
     def choose(self, drafts: list, batch: int, cap: int) -> int:
         """The chain length for a round over `batch` rows (the forward's), `drafts` the open rows' SuffixDrafts
@@ -164,7 +169,7 @@ class SuffixChainPolicy(CostLine):
         if not paths or cap < 1:
             return 0
         fill = min(cap, min(len(p) for p in paths))
-        if float(self.gram[0, 0]) < KNOWN_ROUNDS or self.spread(1) < 1.0:
+        if not self.pad or float(self.gram[0, 0]) < KNOWN_ROUNDS or self.spread(1) < 1.0:
             return fill
         top, line = min(cap, max(len(p) for p in paths)), self.fit()
         gains = [sum(1 + sum(p[:k]) for p in paths) for k in range(top + 1)]
