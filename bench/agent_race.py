@@ -171,9 +171,9 @@ def build_engines(a, target, cfg: SuffixConfig, corpus: SuffixCorpus) -> dict:
             eng.suffix = dataclasses.replace(eng.suffix, tree_goodput=True)
             eng.tree_profile = TreeProfile(len(eng.tree_profile.offered))
             eng.tree_policy = TreePolicy(eng.round_tree, eng.tree_profile, eng.suffix)
-    if a.unpadded_variant:  # suffix+corpus with its batched rounds never padded (the rule before SuffixChainPolicy)
-        eng = engines["suffix+corpus@unpadded"] = copy.copy(engines["suffix+corpus"])
-        eng.suffix_policy = SuffixChainPolicy(pad=False)
+    if a.padded_variant:  # suffix+corpus with its batched rounds padded where goodput says it pays
+        eng = engines["suffix+corpus@padded"] = copy.copy(engines["suffix+corpus"])
+        eng.suffix_policy = SuffixChainPolicy(pad=True)
     for m in [m for m in engines if "hybrid" in m]:
         engines[m].corpus = corpus  # the corpus above (EngineOptions starts an empty one)
     if a.methods:
@@ -266,10 +266,11 @@ def main(argv=None) -> int:
         f"--prefix-cache-tokens, else {PREFIX_CACHE_TOKENS}); each × AR is against the AR of its own setting",
     )
     ap.add_argument(
-        "--unpadded-variant",
+        "--padded-variant",
         action="store_true",
-        help="adds suffix+corpus@unpadded: at --concurrency > 1 its batched rounds verify only the chain every open "
-        "row fills (goodput.SuffixChainPolicy(pad=False)), beside the default that pads shorter rows where it pays",
+        help="adds suffix+corpus@padded: at --concurrency > 1 its batched rounds pad rows with shorter matches to the "
+        "length goodput picks (goodput.SuffixChainPolicy, SuffixConfig.pad_batches), beside the default that verifies "
+        "the chain every open row fills",
     )
     ap.add_argument(
         "--methods",

@@ -110,7 +110,7 @@ class Engine:
             self.tree_policy = TreePolicy(self.round_tree, self.tree_profile, suffix)
         self.policy = DraftPolicy(self.draft_len) if goodput and drafter is not None else None
         # suffix drafts alone: a batched round's chain length (rows padded) by goodput
-        self.suffix_policy = SuffixChainPolicy() if suffix is not None and drafter is None else None
+        self.suffix_policy = SuffixChainPolicy(suffix.pad_batches) if suffix is not None and drafter is None else None
         self.max_positions = target.info.max_position_embeddings
 
     # ---- inputs ----------------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ class SuffixChainPolicy(CostLine):
     the match's occurrences that continue through each node, suffix.SuffixDraft); the k with the most per second
     of the round's fitted cost wins. Until that line is known (KNOWN_ROUNDS fitted rounds of different widths), the
     longest length every open row fills, as without padding — one row without a match then makes the round AR.
-    `pad=False` keeps that rule always (what the padding is measured against)."""
+    `pad=False` (SuffixConfig.pad_batches off, the default) keeps that rule always."""
 
     def __init__(self, pad: bool = True):
         super().__init__()

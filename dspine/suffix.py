@@ -50,6 +50,10 @@ class SuffixConfig:
     # off: every node, the drafter skipped only by skip_drafter_tokens (bench/results/agent_race_goodput.md: on this
     # CPU the choice measured no faster, so it is off by default)
     tree_goodput: bool = False
+    # on: a batched round of suffix drafts alone pads rows with shorter matches to the length goodput picks
+    # (goodput.SuffixChainPolicy); off: the chain every open row fills (bench/results/agent_race_c4_pad.md: on this
+    # CPU at 4 in flight padding measured no faster, so it is off by default)
+    pad_batches: bool = False
     corpus_tokens: int = 2_000_000  # the global corpus's budget per workload (oldest sequences evicted)
 
     def __post_init__(self):

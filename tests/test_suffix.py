@@ -369,16 +369,19 @@ def test_padded_suffix_chains_in_a_batch_equal_ar_and_the_policy_pads_only_where
     prompts = _looping_prompts(target) + [[3, 1, 4, 1, 5, 9, 2, 6]]  # the last: no loop to copy at first
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     want = [Engine(target).generate(p, greedy).token_ids for p in prompts]
-    eng = Engine(target, None, suffix=CFG)
+    eng = Engine(target, None, suffix=dataclasses.replace(CFG, pad_batches=True))
+    assert eng.suffix_policy.pad and not Engine(target, None, suffix=CFG).suffix_policy.pad  # off by default
     eng.suffix_policy.choose = lambda drafts, batch, cap: cap  # the most padding there can be
     got = generate_batch(eng, prompts, greedy)
     assert [g.token_ids for g in got] == want and sum(g.stats.accepted for g in got) > 0
     sd = lambda n: SuffixDraft(list(range(n)), list(range(-1, n - 1)), [0.9] * n)
-    cheap, dear = SuffixChainPolicy(), SuffixChainPolicy()
+    cheap, dear, never = SuffixChainPolicy(), SuffixChainPolicy(), SuffixChainPolicy(pad=False)
     for r in range(2, 40, 3):  # fitted lines: a verified row costs 1% / 100% of a round's fixed cost
         cheap.observe(r, True, 1.0 + 0.01 * r, shape="fit")  # (the first of a shape is not fitted)
+        never.observe(r, True, 1.0 + 0.01 * r, shape="fit")
         dear.observe(r, True, 1.0 + 1.0 * r, shape="fit")
     assert SuffixChainPolicy().choose([sd(8), None], 2, 8) == 0  # before any round: what every row fills
+    assert never.choose([sd(8), sd(3)], 2, 8) == 3 and never.choose([sd(8), None], 2, 8) == 0  # pad off
     assert cheap.choose([sd(8), None], 2, 8) == 8 and cheap.choose([sd(8), sd(3)], 2, 5) == 5
     assert dear.choose([sd(8), None], 2, 8) == 0
 
