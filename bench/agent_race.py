@@ -143,6 +143,15 @@ def select(a, saved: dict) -> tuple[list[dict], list[tuple[str, list[int]]], str
     return rows, pool, what
 
 
+def variant(eng: Engine, suffix: SuffixConfig | None) -> Engine:
+    """A copy of an engine with `suffix` and its own tree node profile and tree policy (its rounds measured apart)."""
+    eng = copy.copy(eng)
+    eng.suffix, eng.tree_profile = suffix, TreeProfile(len(eng.tree_profile.offered))
+    if suffix is not None:
+        eng.tree_policy = TreePolicy(eng.round_tree, eng.tree_profile, suffix)
+    return eng
+
+
 def build_engines(a, target, cfg: SuffixConfig, corpus: SuffixCorpus) -> dict:
     """Each method's engine with the device's defaults (EngineOptions.build: on a CPU a small tree and the int8
     drafter `dspine serve` decodes with there, on a GPU the 32-node tree and the target's fp32)."""
@@ -167,10 +176,7 @@ def build_engines(a, target, cfg: SuffixConfig, corpus: SuffixCorpus) -> dict:
             eng.suffix = eng.tree_policy.cfg = dataclasses.replace(eng.suffix, skip_drafter_tokens=skip)
     if a.goodput_variants:  # every suffix method again, its nodes chosen by goodput
         for m in [m for m in engines if m != "ar" and not m.startswith("dspine")]:
-            eng = engines[f"{m}@goodput"] = copy.copy(engines[m])
-            eng.suffix = dataclasses.replace(eng.suffix, tree_goodput=True)
-            eng.tree_profile = TreeProfile(len(eng.tree_profile.offered))
-            eng.tree_policy = TreePolicy(eng.round_tree, eng.tree_profile, eng.suffix)
+            engines[f"{m}@goodput"] = variant(engines[m], dataclasses.replace(engines[m].suffix, tree_goodput=True))
     if a.padded_variant:  # suffix+corpus with its batched rounds padded where goodput says it pays
         eng = engines["suffix+corpus@padded"] = copy.copy(engines["suffix+corpus"])
         eng.suffix_policy = SuffixChainPolicy(pad=True)
@@ -195,10 +201,7 @@ def warm_up(engines: dict, ids: list[int], a) -> dict:
     out = {}
     for m, eng in engines.items():
         if a.prefix_variants:
-            out[m], eng = eng, copy.copy(eng)
-            eng.tree_profile = TreeProfile(len(eng.tree_profile.offered))
-            if eng.tree_policy is not None:
-                eng.tree_policy = TreePolicy(eng.round_tree, eng.tree_profile, eng.suffix)
+            out[m], eng = eng, variant(eng, eng.suffix)
             m += PREFIX
         eng.prefix_cache = PrefixCache(tokens) if tokens else None
         out[m] = eng

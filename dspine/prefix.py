@@ -115,9 +115,10 @@ class PrefixCache:
         q = torch.tensor(ids, dtype=torch.long)
         with self._lock:
             for key, e in list(self._entries.items()):
-                if len(e) <= n and self._common(e.ids, q) == len(e) and e.layers in (None, layers):
+                common = self._common(e.ids, q)
+                if common == len(e) <= n and e.layers in (None, layers):
                     del self._entries[key]  # the new entry extends it (and holds what it held)
-                elif len(e) >= n and self._common(e.ids, q) == n and layers in (None, e.layers):
+                elif common == n <= len(e) and layers in (None, e.layers):
                     self._entries.move_to_end(key)  # already held by a longer entry
                     return
         kv = [(layer.keys[row, :, :n].clone(), layer.values[row, :, :n].clone()) for layer in cache.layers]
@@ -125,8 +126,9 @@ class PrefixCache:
         with self._lock:
             self._serial += 1
             self._entries[self._serial] = entry
-            while self.tokens > self.max_tokens:
-                self._entries.popitem(last=False)
+            total = self.tokens
+            while total > self.max_tokens:
+                total -= len(self._entries.popitem(last=False)[1])
 
     def stats(self) -> dict:
         with self._lock:
