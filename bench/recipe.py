@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspine.config import apply_overrides, from_dict
-from dspine.eval.acceptance import combine_seeds, write_replay_results
+from dspine.eval.acceptance import ReplayIncomplete, combine_seeds, write_replay_results
 from dspine.io import atomic_write_text, update_summary
 from dspine.train.recipe import (
     RecipeConfig,
@@ -116,7 +116,11 @@ def main() -> int:
     if a.stage in ("eval", "all"):
         if not a.out:
             ap.error("--out is needed for the eval stage")
-        doc = run_eval_stage(cfg, a.work, a.out, progress=not a.no_progress)
+        try:
+            doc = run_eval_stage(cfg, a.work, a.out, progress=not a.no_progress)
+        except ReplayIncomplete as e:  # eval_budget_s ran out: what was replayed is kept for the next call
+            print(f"eval stage incomplete: {e}", file=sys.stderr)
+            return 3
         print(Path(a.out).with_suffix(".md").read_text())
         if a.summary:
             update_summary(a.summary, "acceptance", acceptance_summary(doc))

@@ -3,6 +3,7 @@ greedy answers is what decoding with it accepts, pairs get their ratio with an i
 recipe's replay evaluation is configured strictly."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -77,6 +78,32 @@ def test_the_recipe_replay_evaluation_refuses_what_it_cannot_do():
         dataclasses.replace(cfg, eval_mode="replay", eval_top_k=[2]).validate()
     with pytest.raises(ConfigError, match="eval_pairs"):
         dataclasses.replace(cfg, eval_mode="replay", eval_pairs={"dspine": "medusa"}).validate()
+    with pytest.raises(ConfigError, match="eval_budget_s -1"):
+        dataclasses.replace(cfg, eval_budget_s=-1).validate()
+
+
+def test_a_replay_cut_at_its_deadline_goes_on_from_its_cache_and_a_retrained_drafter_is_replayed_again(
+    smollm2, tmp_path, monkeypatch
+):
+    from dspine.eval import acceptance
+
+    first = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    second = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    drafters, cache = {"first": first, "second": second}, tmp_path / "cache"
+    run = lambda **kw: replay_benchmarks(smollm2, drafters, ["gsm8k"], 2, 16, batch_size=2, progress=False, **kw)
+    with pytest.raises(acceptance.ReplayIncomplete, match="0 of 2 drafters") as e:
+        run(cache=cache, deadline=time.time() - 1)  # the answers are kept, no replay starts
+    assert e.value.done == 0 and (cache / "answers.json").is_file() and not (cache / "replay-first.json").exists()
+    whole = run()  # no cache: everything from scratch
+    cut = run(cache=cache, deadline=time.time() + 3600)
+    assert cut["results"] == whole["results"] and cut["pooled"] == whole["pooled"]
+    monkeypatch.setattr(acceptance, "greedy_answers", lambda *a, **k: pytest.fail("answers recomputed"))
+    monkeypatch.setattr(acceptance, "replay", lambda *a, **k: pytest.fail("a kept replay recomputed"))
+    assert run(cache=cache, deadline=time.time() - 1)["results"] == whole["results"]  # all kept: nothing starts
+    with torch.no_grad():  # trained further: same config, other weights -> its replay is stale
+        next(iter(second.injections.values())).write.weight.mul_(0.5)
+    with pytest.raises(acceptance.ReplayIncomplete, match="1 of 2 drafters"):
+        run(cache=cache, deadline=time.time() - 1)
 
 
 def _seed_doc(seed: int, rows: dict) -> dict:

@@ -19,7 +19,7 @@
 #                                                  weights when there are both; the cosine spans this call's
 #                                                  training + MORE seconds
 #   bash bench/experiments/base_drafter_gpu.sh more S          resume training until S seconds after the call began
-#   bash bench/experiments/base_drafter_gpu.sh eval            the 7-benchmark τ table (T = 0 and 1, DSpine vs DFlash) to $OUT,
+#   bash bench/experiments/base_drafter_gpu.sh eval [S]        the 7-benchmark τ table (T = 0 and 1, DSpine vs DFlash) to $OUT,
 #                                                  the DSpine drafter in the shipped format in 15 MB pieces;
 #                                                  TREE=SPEC adds both drafters decoded through that draft tree
 #                                                  (rows dspine_t, dflash_t; ~1.6x the eval's time), e.g. session
@@ -35,6 +35,9 @@
 # variants in lockstep from fresh weights; `eval` replays 30 items x 512 tokens per benchmark and writes
 # $OUT/ratio_levers.{json,md,svg} and the train report, nothing shipped); the same stages otherwise, with BS=N
 # given (the batch-size probe, bench/train_step.py, times the base pair, not the ten drafters of the levers).
+# Its evaluation (30 items x 512 tokens, ten drafters) ran past one call in session 44: `eval S` stops starting
+# drafters' replays S - 40 s into the call (exit status 3), keeps the answers and each replayed drafter in
+# $W/eval_cache, and `eval S` again on the same warm machine goes on from there.
 # PROFILE=1 with BS=N: `start` profiles N's step (bench/train_step.py --profile) instead of probing sizes.
 # EXTRA="key=value ...": more recipe overrides for every stage of the call (e.g. sampled_num_prompts=600 for a
 # shorter regeneration, eval_temperatures=[0.0]); give a call the same ones as the calls before it.
@@ -130,8 +133,10 @@ more)
   r=$([ -f $W/train_report.json ] && echo --resume || true)
   python bench/recipe.py --stage train $r $(common) train.stop_after_s=$(left $(($2 - 45))) | tail -c 2500 ;;
 eval)
-  python bench/recipe.py --stage eval $(common) ${TREE:+"eval_trees={\"t\":\"$TREE\"}"} --out $OUT/${NAME:-acceptance}.json \
-    | tail -c 3000
+  # eval S: no drafter's replay starts after S - 40 seconds into the call (the levers' replay evaluation); what
+  # was replayed stays in $W/eval_cache and the next `eval` call goes on from there (exit status 3 until done)
+  python bench/recipe.py --stage eval $(common) ${TREE:+"eval_trees={\"t\":\"$TREE\"}"} \
+    ${2:+eval_budget_s=$(left $(($2 - 40)))} --out $OUT/${NAME:-acceptance}.json | tail -c 3000
   cp $W/train_report.json $OUT/
   [ "${PRESET:-base}" = base ] || exit 0  # the levers: the table and the report, no drafter to ship
   ship

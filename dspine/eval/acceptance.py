@@ -218,6 +218,43 @@ def greedy_answers(target, turns: list[str], max_new_tokens: int, batch_size: in
     return out
 
 
+class ReplayIncomplete(RuntimeError):
+    """A replay evaluation stopped at its deadline: `done` of `total` drafters are kept in its cache folder, and
+    the same call again goes on from there."""
+
+    def __init__(self, done: int, total: int, cache: Path | None):
+        kept = f"kept in {cache}: run the same evaluation again to go on" if cache else "nothing kept (no cache)"
+        super().__init__(f"replayed {done} of {total} drafters before the deadline; {kept}")
+        self.done, self.total, self.cache = done, total, cache
+
+
+def weights_digest(module) -> str:
+    """A digest of a module's configuration and every parameter's bytes: a cached replay belongs to exactly these
+    weights (a drafter trained further keeps its config hash but not this)."""
+    h = hashlib.sha256(config_hash(module).encode() if hasattr(module, "config") else b"")
+    for name, p in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().to("cpu").reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _cached(path: Path | None, key: dict):
+    """The value kept at `path` under exactly `key`, else None (absent, unreadable or another key)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc.get("value") if doc.get("key") == key else None
+
+
+def _keep(path: Path | None, key: dict, value) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"key": key, "value": value}))
+
+
 def replay_benchmarks(
     target,
     drafters: dict,
@@ -226,16 +263,29 @@ def replay_benchmarks(
     max_new_tokens: int,
     batch_size: int = 32,
     progress: bool = True,
+    cache: str | Path | None = None,
+    deadline: float | None = None,
 ) -> dict:
     """Acceptance at T = 0 on identical text: each benchmark item's first turn answered greedily by the target
     once, then every drafter replayed on exactly that answer (`replay`, batched) — what speculative decoding
     at T = 0 accepts, since its output is that answer (round for round; in the last round only the drafts inside
     the answer count, where decoding also counts those past the token limit), for a fraction of decoding every
     drafter. Per benchmark and drafter: summarize's figures, per-item τ and (accepted, rounds); `pooled` over all
-    items; `mean`: the benchmarks' pooled τ averaged."""
+    items; `mean`: the benchmarks' pooled τ averaged.
+
+    `cache`: a folder keeping the answers and each drafter's replay (keyed by the items, the target and the
+    drafter's weights), so an evaluation cut short goes on where it stopped; `deadline` (a `time.time()`): no
+    drafter's replay starts after it — `ReplayIncomplete` says how far it got."""
+    cache = Path(cache) if cache is not None else None
     items = [(b, it.turns[0]) for b in benchmarks for it in load_benchmark(b, limit)]
-    answers = greedy_answers(target, [t for _, t in items], max_new_tokens, batch_size)
-    doc = replay_grouped(target, drafters, answers, [b for b, _ in items], batch_size, progress)
+    key = {"benchmarks": benchmarks, "limit": limit, "max_new_tokens": max_new_tokens, "target": target.name}
+    key["dtype"] = str(target.dtype).replace("torch.", "")
+    at = cache / "answers.json" if cache else None
+    answers = _cached(at, key)
+    if answers is None:
+        answers = greedy_answers(target, [t for _, t in items], max_new_tokens, batch_size)
+        _keep(at, key, answers)
+    doc = replay_grouped(target, drafters, answers, [b for b, _ in items], batch_size, progress, cache, deadline)
     return {
         "mode": "replay",
         **doc,
@@ -244,24 +294,39 @@ def replay_benchmarks(
         "limit": limit,
         "max_new_tokens": max_new_tokens,
         "target": target.name,
-        "dtype": str(target.dtype).replace("torch.", ""),
+        "dtype": key["dtype"],
         **provenance(),
         "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
     }
 
 
 def replay_grouped(
-    target, drafters: dict, answers: list, groups: list[str], batch_size: int = 32, progress: bool = True
+    target,
+    drafters: dict,
+    answers: list,
+    groups: list[str],
+    batch_size: int = 32,
+    progress: bool = True,
+    cache: Path | None = None,
+    deadline: float | None = None,
 ) -> dict:
     """Every drafter replayed on each (prompt ids, answer ids) of `answers`, batched; `groups` labels each answer
     (its benchmark) -> {"results": {group: {drafter: summarize's figures, per-item τ and (accepted, rounds)}},
-    "pooled": {drafter: over all answers}, "mean": {drafter: the groups' pooled τ averaged}}."""
-    jobs = [(n, p, a) for p, a in answers for n in drafters]
-    res = replay(target, drafters, jobs, progress=progress, batch_size=batch_size)
+    "pooled": {drafter: over all answers}, "mean": {drafter: the groups' pooled τ averaged}}. `cache` and
+    `deadline` as in `replay_benchmarks`, one drafter at a time."""
+    texts = hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16]
     per: dict = {}
-    for k, r in enumerate(res):
-        g, n = groups[k // len(drafters)], jobs[k][0]
-        per.setdefault(g, {}).setdefault(n, []).append(AcceptanceStats(r["block_size"], r["accept_hist"]))
+    for done, (n, d) in enumerate(drafters.items()):
+        key = {"drafter": n, "weights": weights_digest(d), "answers": texts, "target": target.name}
+        path = cache / f"replay-{n}.json" if cache else None
+        res = _cached(path, key)
+        if res is None:
+            if deadline is not None and time.time() > deadline:
+                raise ReplayIncomplete(done, len(drafters), cache)
+            res = replay(target, {n: d}, [(n, p, a) for p, a in answers], progress=progress, batch_size=batch_size)
+            _keep(path, key, res)
+        for g, r in zip(groups, res):
+            per.setdefault(g, {}).setdefault(n, []).append(AcceptanceStats(r["block_size"], r["accept_hist"]))
     results = {
         g: {
             n: {

@@ -98,6 +98,9 @@ class RecipeConfig:
     eval_mode: str = "generate"
     eval_pairs: dict[str, str] = field(default_factory=dict)  # replay: drafter -> its twin ({}: DSpine ones -> dflash)
     eval_batch: int = 32  # replay: answers and replays decoded together
+    # replay: no drafter's replay starts once this many seconds have passed since the stage began (0: no limit);
+    # the answers and each replayed drafter are kept in WORK/eval_cache, so the stage run again goes on from there
+    eval_budget_s: float = 0.0
 
     def validate(self) -> None:
         from dspine.config import ConfigError
@@ -115,6 +118,8 @@ class RecipeConfig:
                 DraftTree.parse(spec)
             except ValueError as e:
                 raise ConfigError(f"recipe.eval_trees.{label}: {e}") from None
+        if self.eval_budget_s < 0:
+            raise ConfigError(f"recipe.eval_budget_s {self.eval_budget_s}: seconds, 0 for no limit")
         if self.eval_mode not in ("generate", "replay"):
             raise ConfigError(f"recipe.eval_mode {self.eval_mode!r}: generate or replay")
         if self.eval_mode == "replay" and (self.eval_trees or self.eval_top_k):
@@ -179,7 +184,7 @@ class RecipeConfig:
             eval_limit=30,
             eval_max_new_tokens=512,
             eval_temperatures=[0.0],
-            eval_batch=64,
+            eval_batch=256,
             eval_pairs={
                 "dspine": "dflash",
                 "dspine_split": "dflash",
@@ -387,9 +392,18 @@ def _replay_eval(cfg: RecipeConfig, work: Path, specs: dict, out_json: str | Pat
     from dspine.train.losses import heldout_stats
     from dspine.train.run import split_heldout
 
+    deadline = time.time() + cfg.eval_budget_s if cfg.eval_budget_s > 0 else None
     target, drafters = load_models(cfg.target, cfg.dtype, cfg.device, specs)
     doc = replay_benchmarks(
-        target, drafters, cfg.eval_benchmarks, cfg.eval_limit, cfg.eval_max_new_tokens, cfg.eval_batch, progress
+        target,
+        drafters,
+        cfg.eval_benchmarks,
+        cfg.eval_limit,
+        cfg.eval_max_new_tokens,
+        cfg.eval_batch,
+        progress,
+        cache=work / "eval_cache",
+        deadline=deadline,
     )
     variants = cfg.variants()
     pairs = cfg.eval_pairs or {n: "dflash" for n in specs if variants[n].method == "dspine" and "dflash" in specs}
