@@ -14,7 +14,8 @@ Held out by task: the turns of every conversation are rendered once (`--save-row
 measuring, the held-out tasks are the test part of a fine-tune (`--heldout finetune.json`: the adapted drafter never
 trained on them, and they chose nothing) or else every other task, and only their turns are measured. The corpus
 holds the other tasks only: their original assistant turns, or (`--corpus-traces DIR`) the target's own completions
-of them from a replay collection — what `dspine serve` accumulates from its traffic. Every method's output
+of them from a replay collection, or (`--corpus-generate N`) the target's own completions of N of their turns per
+workload generated before the race — what `dspine serve` accumulates from its traffic. Every method's output
 is checked against AR's token for token. τ is tokens per target forward after the prefill (rounds without drafts
 included); tok/s counts the whole request (prefill included); decode tok/s the tokens after the first over the
 time after the prefill.
@@ -127,7 +128,12 @@ def select(a, saved: dict) -> tuple[list[dict], list[tuple[str, list[int]]], str
         tasks = sorted({r["task"] for r in saved["rows"] if r["workload"] == w and f"{w}:{r['task']}" in held})
         keep = set(tasks[: a.tasks] if a.tasks else tasks)
         rows += [r for r in saved["rows"] if r["workload"] == w and r["task"] in keep]
-    if a.corpus_traces:
+    if a.corpus_generate:
+        if a.corpus_traces:
+            raise SystemExit("--corpus-generate and --corpus-traces each make the corpus: give one")
+        pool = corpus_prompts(saved["rows"], held, a.corpus_generate)
+        what = f"the target's own greedy completions of {len(pool)} turns of the other tasks, generated before the race"
+    elif a.corpus_traces:
         from dspine.agents.traces import load_traces
 
         got = load_traces(a.corpus_traces).to_pylist()
@@ -141,6 +147,37 @@ def select(a, saved: dict) -> tuple[list[dict], list[tuple[str, list[int]]], str
     if not rows:
         raise SystemExit("no turn of a held-out task to measure (is --heldout from these conversations?)")
     return rows, pool, what
+
+
+def corpus_prompts(rows: list[dict], held: set[str], per_workload: int) -> list[tuple[str, list[int]]]:
+    """At most `per_workload` turns per workload of the tasks not held out, taken from each task in turn (so every
+    task contributes), as (workload, prompt ids): what `own_completions` answers."""
+    out = []
+    for w in sorted({r["workload"] for r in rows}):
+        by_task: dict[str, list] = {}
+        for r in rows:
+            if r["workload"] == w and f"{w}:{r['task']}" not in held:
+                by_task.setdefault(r["task"], []).append(r["ids"])
+        queues, picked = [by_task[t] for t in sorted(by_task)], []
+        while len(picked) < per_workload and any(queues):
+            picked += [q.pop(0) for q in queues if q][: per_workload - len(picked)]
+        out += [(w, ids) for ids in picked]
+    return out
+
+
+def own_completions(target, prompts: list[tuple[str, list[int]]], max_new: int, batch: int) -> list:
+    """Each (workload, prompt ids) answered greedily by the target alone (`max_new` tokens, `batch` at a time) ->
+    (workload, completion ids): the corpus `dspine serve` would hold after serving those turns."""
+    from dspine.engine import generate_batch
+
+    eng, params, out = Engine(target, None), SamplingParams(max_tokens=max_new, temperature=0.0), []
+    t0 = time.time()
+    for k in range(0, len(prompts), batch):
+        chunk = prompts[k : k + batch]
+        res = generate_batch(eng, [ids for _, ids in chunk], params)
+        out += [(w, list(r.token_ids)) for (w, _), r in zip(chunk, res)]
+        print(f"corpus: {len(out)}/{len(prompts)} turns answered, {time.time() - t0:.0f} s", file=sys.stderr)
+    return out
 
 
 def variant(eng: Engine, suffix: SuffixConfig | None) -> Engine:
@@ -230,6 +267,16 @@ def main(argv=None) -> int:
         help="a collection directory: the corpus is the target's own completions of the tasks not measured",
     )
     ap.add_argument(
+        "--corpus-generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the corpus is the target's own greedy completions (--max-new-tokens each) of at most N turns per "
+        "workload of the tasks not measured, generated here before the race — what `dspine serve` adds to its "
+        "corpus from the traffic it serves (0: off)",
+    )
+    ap.add_argument("--corpus-batch", type=int, default=16, help="--corpus-generate: turns answered together")
+    ap.add_argument(
         "--save-rows", help="render every conversation's turns and corpus (token ids) into this file and stop"
     )
     ap.add_argument("--rows", help="measure the turns --save-rows wrote (no rendering: no pydantic needed)")
@@ -293,6 +340,8 @@ def main(argv=None) -> int:
     target = load_target(a.target, dtype=torch.float32, device=a.device)
     cfg = SuffixConfig()
     corpus = SuffixCorpus(cfg, target.info.vocab_size)
+    if a.corpus_generate:
+        pool = own_completions(target, pool, a.max_new_tokens, a.corpus_batch)
     for w, ids in pool:
         corpus.add(ids, w)
     engines = warm_up(build_engines(a, target, cfg, corpus), rows[0]["ids"][-64:], a)

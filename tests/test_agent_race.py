@@ -35,7 +35,7 @@ def _trace(task: str, workload: str, ids: list[int]) -> TraceRow:
 
 
 def _args(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"heldout": None, "corpus_traces": None, "tasks": 0, **kw})
+    return argparse.Namespace(**{"heldout": None, "corpus_traces": None, "corpus_generate": 0, "tasks": 0, **kw})
 
 
 def test_the_measured_tasks_never_feed_the_corpus(tmp_path):
@@ -66,6 +66,34 @@ def test_the_measured_tasks_never_feed_the_corpus(tmp_path):
     ft.write_text(json.dumps({"groups": {"all": {"test_tasks": ["tool_replay:zz"]}}}))
     with pytest.raises(SystemExit, match="no turn of a held-out task"):
         select(_args(heldout=str(ft)), saved)
+
+
+def test_a_generated_corpus_is_the_targets_own_answers_to_turns_of_other_tasks_only(smollm2):
+    from agent_race import corpus_prompts, own_completions
+
+    from dspine.engine import Engine
+    from dspine.sampling import SamplingParams
+
+    saved = _saved()
+    for k, r in enumerate(saved["rows"]):
+        r["ids"] = [k, k + 1]
+    held = held_out(_args(), saved["rows"])  # a2, a4, s2 measured
+    picked = corpus_prompts(saved["rows"], held, 3)
+    tasks = {tuple(r["ids"]): (r["workload"], r["task"]) for r in saved["rows"]}
+    got = [tasks[tuple(ids)] for _, ids in picked]
+    # each task of the other half in turn, at most 3 per workload: a1, a3, a1 (tool); s1, s1 (swe has two)
+    assert got == [("swe_replay", "s1")] * 2 + [("tool_replay", "a1"), ("tool_replay", "a3"), ("tool_replay", "a1")]
+    assert all(f"{w}:{t}" not in held for w, t in got)
+    rows, pool, what = select(_args(corpus_generate=3), saved)
+    assert pool == picked and "generated" in what and {f"{r['workload']}:{r['task']}" for r in rows} == held
+    with pytest.raises(SystemExit, match="give one"):
+        select(_args(corpus_generate=3, corpus_traces="somewhere"), saved)
+    # the completions are the target's greedy answers, batched as given
+    eng = Engine(smollm2, None)
+    prompts = [("tool_replay", eng.prompt_ids("Name three colours.")), ("swe_replay", eng.prompt_ids("Say hi."))]
+    out = own_completions(smollm2, prompts, 12, batch=2)
+    alone = [eng.generate(ids, SamplingParams(max_tokens=12, temperature=0.0)).token_ids for _, ids in prompts]
+    assert [w for w, _ in out] == ["tool_replay", "swe_replay"] and [ids for _, ids in out] == alone
 
 
 def test_each_hybrid_is_compared_with_its_own_drafter_and_the_corpus_suffix():
