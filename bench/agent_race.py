@@ -334,6 +334,8 @@ def main(argv=None) -> int:
         return 0
     if not a.out:
         ap.error("--out is needed to measure")
+    if a.corpus_generate < 0 or a.corpus_batch < 1:
+        ap.error("--corpus-generate takes N >= 0 turns per workload and --corpus-batch B >= 1")
     rows, pool, corpus_from = select(a, json.loads(Path(a.rows).read_text()) if a.rows else render_rows(a))
     if a.device == "cpu":
         torch.set_num_threads(2)
