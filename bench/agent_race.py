@@ -245,6 +245,12 @@ def warm_up(engines: dict, ids: list[int], a) -> dict:
     return out
 
 
+def _at_least(v: str, low: int) -> int:
+    if not v.lstrip("-").isdigit() or int(v) < low:
+        raise argparse.ArgumentTypeError(f"{v!r}: a whole number >= {low}")
+    return int(v)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", help="a file or folder of conversations (default: the shipped ones)")
@@ -268,14 +274,16 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--corpus-generate",
-        type=int,
+        type=lambda v: _at_least(v, 0),
         default=0,
         metavar="N",
         help="the corpus is the target's own greedy completions (--max-new-tokens each) of at most N turns per "
         "workload of the tasks not measured, generated here before the race — what `dspine serve` adds to its "
         "corpus from the traffic it serves (0: off)",
     )
-    ap.add_argument("--corpus-batch", type=int, default=16, help="--corpus-generate: turns answered together")
+    ap.add_argument(
+        "--corpus-batch", type=lambda v: _at_least(v, 1), default=16, help="--corpus-generate: turns answered together"
+    )
     ap.add_argument(
         "--save-rows", help="render every conversation's turns and corpus (token ids) into this file and stop"
     )
@@ -334,8 +342,6 @@ def main(argv=None) -> int:
         return 0
     if not a.out:
         ap.error("--out is needed to measure")
-    if a.corpus_generate < 0 or a.corpus_batch < 1:
-        ap.error("--corpus-generate takes N >= 0 turns per workload and --corpus-batch B >= 1")
     rows, pool, corpus_from = select(a, json.loads(Path(a.rows).read_text()) if a.rows else render_rows(a))
     if a.device == "cpu":
         torch.set_num_threads(2)
