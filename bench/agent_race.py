@@ -29,6 +29,7 @@ import dataclasses
 import json
 import sys
 import time
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ import torch
 from dspine.checkpoint import load_drafter
 from dspine.drafters import builtin_drafter
 from dspine.engine import Engine
+from dspine.eval.acceptance import greedy_completions
 from dspine.goodput import SuffixChainPolicy, TreePolicy
 from dspine.io import atomic_write_text, json_text, md_table, provenance, update_summary
 from dspine.options import PREFIX_CACHE_TOKENS, EngineOptions
@@ -158,26 +160,18 @@ def corpus_prompts(rows: list[dict], held: set[str], per_workload: int) -> list[
         for r in rows:
             if r["workload"] == w and f"{w}:{r['task']}" not in held:
                 by_task.setdefault(r["task"], []).append(r["ids"])
-        queues, picked = [by_task[t] for t in sorted(by_task)], []
-        while len(picked) < per_workload and any(queues):
-            picked += [q.pop(0) for q in queues if q][: per_workload - len(picked)]
-        out += [(w, ids) for ids in picked]
+        turns = [ids for rnd in zip_longest(*(by_task[t] for t in sorted(by_task))) for ids in rnd if ids is not None]
+        out += [(w, ids) for ids in turns[:per_workload]]
     return out
 
 
 def own_completions(target, prompts: list[tuple[str, list[int]]], max_new: int, batch: int) -> list:
     """Each (workload, prompt ids) answered greedily by the target alone (`max_new` tokens, `batch` at a time) ->
     (workload, completion ids): the corpus `dspine serve` would hold after serving those turns."""
-    from dspine.engine import generate_batch
-
-    eng, params, out = Engine(target, None), SamplingParams(max_tokens=max_new, temperature=0.0), []
     t0 = time.time()
-    for k in range(0, len(prompts), batch):
-        chunk = prompts[k : k + batch]
-        res = generate_batch(eng, [ids for _, ids in chunk], params)
-        out += [(w, list(r.token_ids)) for (w, _), r in zip(chunk, res)]
-        print(f"corpus: {len(out)}/{len(prompts)} turns answered, {time.time() - t0:.0f} s", file=sys.stderr)
-    return out
+    answers = greedy_completions(target, [ids for _, ids in prompts], max_new, batch)
+    print(f"corpus: {len(prompts)} turns answered in {time.time() - t0:.0f} s", file=sys.stderr)
+    return [(w, ids) for (w, _), ids in zip(prompts, answers)]
 
 
 def variant(eng: Engine, suffix: SuffixConfig | None) -> Engine:

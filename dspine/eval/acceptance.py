@@ -208,13 +208,15 @@ def replay(
 def greedy_answers(target, turns: list[str], max_new_tokens: int, batch_size: int = 32) -> list[tuple[list, list]]:
     """Each user turn rendered as the engine renders a request and answered greedily by the target alone, in
     batches of `batch_size` -> [(prompt ids, answer ids)]: the text every drafter is then replayed on."""
-    eng = Engine(target, None)
-    prompts = [eng.prompt_ids(t) for t in turns]
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    out = []
+    prompts = [Engine(target, None).prompt_ids(t) for t in turns]
+    return list(zip(prompts, greedy_completions(target, prompts, max_new_tokens, batch_size)))
+
+
+def greedy_completions(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 32) -> list[list]:
+    """Each prompt (token ids) answered greedily by the target alone, `batch_size` at a time -> answer ids."""
+    eng, params, out = Engine(target, None), SamplingParams(max_tokens=max_new_tokens, temperature=0.0), []
     for k in range(0, len(prompts), batch_size):
-        chunk = prompts[k : k + batch_size]
-        out += [(p, list(r.token_ids)) for p, r in zip(chunk, generate_batch(eng, chunk, params))]
+        out += [list(r.token_ids) for r in generate_batch(eng, prompts[k : k + batch_size], params)]
     return out
 
 
@@ -278,8 +280,9 @@ def replay_benchmarks(
     drafter's replay starts after it — `ReplayIncomplete` says how far it got."""
     cache = Path(cache) if cache is not None else None
     items = [(b, it.turns[0]) for b in benchmarks for it in load_benchmark(b, limit)]
+    dtype = str(target.dtype).replace("torch.", "")
     key = {"benchmarks": benchmarks, "limit": limit, "max_new_tokens": max_new_tokens, "target": target.name}
-    key["dtype"] = str(target.dtype).replace("torch.", "")
+    key["dtype"] = dtype
     at = cache / "answers.json" if cache else None
     answers = _cached(at, key)
     if answers is None:
@@ -294,7 +297,7 @@ def replay_benchmarks(
         "limit": limit,
         "max_new_tokens": max_new_tokens,
         "target": target.name,
-        "dtype": key["dtype"],
+        "dtype": dtype,
         **provenance(),
         "config_hashes": {n: config_hash(d) for n, d in drafters.items()},
     }
@@ -314,11 +317,13 @@ def replay_grouped(
     (its benchmark) -> {"results": {group: {drafter: summarize's figures, per-item τ and (accepted, rounds)}},
     "pooled": {drafter: over all answers}, "mean": {drafter: the groups' pooled τ averaged}}. `cache` and
     `deadline` as in `replay_benchmarks`, one drafter at a time."""
-    texts = hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16]
+    texts = hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16] if cache else None
     per: dict = {}
     for done, (n, d) in enumerate(drafters.items()):
-        key = {"drafter": n, "weights": weights_digest(d), "answers": texts, "target": target.name}
-        path = cache / f"replay-{n}.json" if cache else None
+        path, key = None, None
+        if cache:  # the digests only where something is kept under them
+            path = cache / f"replay-{n}.json"
+            key = {"drafter": n, "weights": weights_digest(d), "answers": texts, "target": target.name}
         res = _cached(path, key)
         if res is None:
             if deadline is not None and time.time() > deadline:
