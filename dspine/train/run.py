@@ -30,11 +30,14 @@ Sample = tuple[list[int], int]  # (token ids, index of the first response token)
 
 @dataclass
 class DrafterSpec:
-    """One drafter of a run: its method, DSpineConfig overrides and loss overrides (an ablation)."""
+    """One drafter of a run: its method, DSpineConfig overrides and loss overrides (an ablation), and its own
+    initialisation seed (None: the run's `train.seed`) — a second seed of a pair trained in the same lockstep,
+    on the same batches and anchors, so two seeds cost one run's data and evaluation."""
 
     method: str = "dspine"
     drafter: dict[str, Any] = field(default_factory=dict)  # e.g. transfer_rank, message_size
     loss: dict[str, float] = field(default_factory=dict)  # gamma / cos_weight / redo_weight / redo_split
+    seed: int | None = None
 
 
 def split_heldout(
@@ -69,7 +72,10 @@ def build_drafters(
 ) -> dict[str, DSpineDraftModel]:
     return {
         n: DSpineDraftModel.for_target(
-            target, method=s.method, seed=seed, **{"num_hidden_layers": layers, "block_size": block_size, **s.drafter}
+            target,
+            method=s.method,
+            seed=seed if s.seed is None else s.seed,
+            **{"num_hidden_layers": layers, "block_size": block_size, **s.drafter},
         ).to(device=device, dtype=dtype)
         for n, s in specs.items()
     }
