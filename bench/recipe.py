@@ -16,7 +16,9 @@ each ratio with a bootstrap interval): --levers, e.g.
 CPU-test size: python bench/recipe.py --tiny --stage all --work runs/tiny --out runs/tiny/acceptance.json
 The curve across runs that continued one another: --stage curve --reports gpu3=A.json gpu4=B.json --out c.svg
 The levers' replay evaluations of two seeds (train.seed=0 and 1) as one table, each ratio over both seeds with its
-interval: --stage seeds --reports s0.json s1.json --out bench/results/ratio_levers.json [--summary ...]
+interval: --stage seeds --reports s0.json s1.json --out bench/results/ratio_levers.json [--summary ...]; or one
+evaluation whose second seeds trained in the same lockstep (ablations NAME_s1 = NAME with "seed": 1):
+--stage seeds --reports levers.json --out ...
 Overrides: dotted keys of dspine.train.recipe.RecipeConfig, e.g. train.steps=800 layers=4.
 """
 
@@ -27,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspine.config import apply_overrides, from_dict
-from dspine.eval.acceptance import ReplayIncomplete, combine_seeds, write_replay_results
+from dspine.eval.acceptance import ReplayIncomplete, combine_seeds, split_seed_variants, write_replay_results
 from dspine.io import atomic_write_text, update_summary
 from dspine.train.recipe import (
     RecipeConfig,
@@ -52,10 +54,11 @@ def curve(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
 
 
 def seeds(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
-    if not (a.reports and len(a.reports) > 1 and a.out):
-        ap.error("--stage seeds needs --reports (two or more replay evaluations) and --out (a .json)")
+    if not (a.reports and a.out):
+        ap.error("--stage seeds needs --reports (replay evaluations of two or more seeds) and --out (a .json)")
     try:
-        doc = combine_seeds([json.loads(Path(r).read_text()) for r in a.reports])
+        docs = [d for r in a.reports for d in split_seed_variants(json.loads(Path(r).read_text()))]
+        doc = combine_seeds(docs)
     except (OSError, ValueError, KeyError) as e:
         ap.error(f"--stage seeds: {e}")
     write_replay_results(doc, a.out)

@@ -19,6 +19,7 @@ from dspine.eval.acceptance import (
     replay_benchmarks,
     replay_markdown,
     seeds_markdown,
+    split_seed_variants,
 )
 from dspine.sampling import SamplingParams
 from dspine.train.recipe import RecipeConfig, acceptance_summary
@@ -171,3 +172,29 @@ def test_seeds_combine_into_one_ratio_over_every_seeds_items_with_each_seed_besi
         combine_seeds([d0, {**d1, "pairs": {}}])
     with pytest.raises(ValueError, match="two or more"):
         combine_seeds([d0])
+
+
+def test_second_seeds_trained_in_the_same_lockstep_split_into_documents_that_combine_like_separate_runs():
+    s0 = {
+        "a": {"v": [(6, 3), (2, 2)], "twin": [(4, 3), (2, 2)]},
+        "b": {"v": [(3, 2), (8, 4)], "twin": [(2, 2), (8, 5)]},
+    }
+    s1 = {
+        "a": {"v": [(5, 3), (3, 2)], "twin": [(5, 3), (1, 2)]},
+        "b": {"v": [(2, 2), (9, 4)], "twin": [(2, 2), (6, 4)]},
+    }
+    separate = combine_seeds([_seed_doc(0, s0), _seed_doc(1, s1)], draws=300)
+    one = {  # one run: seed 1's drafters as v_s1 and twin_s1 beside them, and a variant of seed 0 only
+        b: {**s0[b], "v_s1": s1[b]["v"], "twin_s1": s1[b]["twin"], "w": s0[b]["v"]} for b in s0
+    }
+    doc = _seed_doc(0, one)
+    doc["pairs"] = pair_ratios(doc, {"v": "twin", "v_s1": "twin_s1", "w": "twin"}, draws=300)
+    docs = split_seed_variants(doc)
+    assert [d["recipe"]["train"]["seed"] for d in docs] == [0, 1]
+    assert [sorted(d["pooled"]) for d in docs] == [["twin", "v"], ["twin", "v"]]  # w has no second seed: left out
+    assert docs[1]["pairs"]["v"]["twin"] == "twin" and docs[1]["heldout"]["v"] == doc["heldout"]["v_s1"]
+    assert docs[1]["results"]["a"]["v"] == doc["results"]["a"]["v_s1"]
+    joined = combine_seeds(docs, draws=300)
+    assert joined["seeds"] == [0, 1]
+    assert joined["pairs"]["v"]["ratio_pooled"] == pytest.approx(separate["pairs"]["v"]["ratio_pooled"])
+    assert split_seed_variants(_seed_doc(0, s0)) == [_seed_doc(0, s0)]  # no second seed: the document as it is

@@ -386,6 +386,47 @@ def _pooled_ratio(rows) -> float:
     return tv / tt if tt else 0.0
 
 
+def split_seed_variants(doc: dict) -> list[dict]:
+    """A replay document whose drafters include second seeds trained in the same lockstep (`NAME_s<K>` beside
+    `NAME`, `DrafterSpec.seed`) -> one document per seed over the drafters every seed has, seed K's renamed to
+    the base names, for `combine_seeds`; a document without such names -> [doc]."""
+    names = set(doc["pooled"])
+    tagged = {}
+    for n in names:
+        base, sep, k = n.rpartition("_s")
+        if sep and k.isdigit() and base in names:
+            tagged.setdefault(int(k), {})[n] = base
+    if not tagged:
+        return [doc]
+    first_seed = ((doc.get("recipe") or {}).get("train") or {}).get("seed", 0)
+    # the drafters every seed has (a variant trained under one seed only has no second to combine with)
+    common = set.intersection(*(set(m.values()) for m in tagged.values()))
+    seeds = [(first_seed, {n: n for n in common})]
+    seeds += [(k, {n: b for n, b in m.items() if b in common}) for k, m in sorted(tagged.items())]
+    out = []
+    for seed, rename in seeds:
+        pick = lambda d: {rename[n]: v for n, v in d.items() if n in rename}
+        pairs = {
+            rename[v]: {**p, "twin": rename[p["twin"]]}
+            for v, p in doc.get("pairs", {}).items()
+            if v in rename and p["twin"] in rename
+        }
+        recipe = doc.get("recipe") or {}
+        out.append(
+            {
+                **doc,
+                "results": {b: pick(r) for b, r in doc["results"].items()},
+                "pooled": pick(doc["pooled"]),
+                "mean": pick(doc["mean"]),
+                "pairs": pairs,
+                "heldout": pick(doc.get("heldout") or {}),
+                "config_hashes": pick(doc.get("config_hashes") or {}),
+                "recipe": {**recipe, "train": {**(recipe.get("train") or {}), "seed": seed}},
+            }
+        )
+    return out
+
+
 def combine_seeds(docs: list[dict], draws: int = 2000) -> dict:
     """Replay documents (`replay_benchmarks` + `pairs`) of one recipe trained under different seeds, on the same
     items -> one document: per pair each seed's pooled τ and ratio with its interval, and the ratio pooled over
