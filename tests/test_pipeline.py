@@ -320,3 +320,17 @@ def test_eval_through_a_draft_tree(smollm2, tmp_path, capsys):
         assert main(["eval", "--drafter", "d=builtin", "--draft-tree", tree, "--limit", "1", "--out", out]) == 2
         assert err in capsys.readouterr().err
     assert not (tmp_path / "e.json").exists()
+
+
+def test_a_drafters_own_seed_sets_its_initialisation_and_nothing_else():
+    from conftest import tiny_target
+
+    from dspine.train.run import DrafterSpec, build_drafters
+
+    t = tiny_target("llama")
+    specs = {"a": DrafterSpec(), "b": DrafterSpec(seed=1), "c": DrafterSpec(seed=0), "d": DrafterSpec(seed=1)}
+    ds = build_drafters(t, specs, 1, 8, 0, torch.float32, "cpu")
+    w = {n: torch.cat([p.flatten() for p in d.parameters()]) for n, d in ds.items()}
+    assert torch.equal(w["a"], w["c"]) and torch.equal(w["b"], w["d"])  # None is the run's seed (0 here)
+    assert not torch.equal(w["a"], w["b"])
+    assert all(d.config == ds["a"].config for d in ds.values())
