@@ -1,6 +1,7 @@
 """Properties of the method's parts: whitened codes, zero writes = DFlash, transition cache = naive
 recomputation, exact checkpoint round trip, acceptance stats, sampling warp, typed configs."""
 
+import dataclasses
 import json
 
 import pytest
@@ -259,6 +260,37 @@ def test_lockstep_training_equals_training_alone(tiny):
     assert len(hist["dspine_L1"]) == 8 and "eval_tau_sim" in hist["dspine_L1"][-1]
     with pytest.raises(ConfigError, match="unknown loss override"):
         train_drafters({"d": make("dspine")}, target, pairs, cfg, progress=False, losses={"d": {"cos": 0.0}})
+
+
+def test_the_feature_cache_runs_the_target_once_per_sample_and_trains_as_recomputing_does(tiny, monkeypatch):
+    """train.feature_cache_mb: a small set seen for several epochs pays one target forward per sample (not per
+    step); its features are each sample's own, so the run ends where recomputing every step ends (up to the float
+    rounding of a differently shaped forward); over the budget, or seen once, nothing is kept."""
+    from dspine.train.loop import Trainer, train_drafters
+
+    target, pairs = tiny
+    pairs = pairs[:8]
+    cfg = TrainConfig(steps=10, batch_size=4, anchors_per_seq=6, gamma=4.0, warmup_steps=2, lr=2e-3, eval_every=10**9)
+    make = lambda: {"d": DSpineDraftModel.for_target(target, method="dspine", num_hidden_layers=2, block_size=8)}
+    rows = []
+    real = type(target).features
+    count = lambda self, ids, *a, **k: rows.append(len(ids)) or real(self, ids, *a, **k)
+    monkeypatch.setattr(type(target), "features", count)
+    kept = make()
+    train_drafters(kept, target, pairs, cfg, progress=False)
+    assert sum(rows) == len(pairs)  # 40 sequences trained on, 8 forwards of one row each
+    rows.clear()
+    fresh = make()
+    train_drafters(fresh, target, pairs, dataclasses.replace(cfg, feature_cache_mb=0), progress=False)
+    assert sum(rows) == cfg.steps * cfg.batch_size
+    a, b = kept["d"].state_dict(), fresh["d"].state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+    assert any(not torch.equal(a[k], make()["d"].state_dict()[k]) for k in a)  # it trained
+    tight = Trainer(make(), target, pairs, dataclasses.replace(cfg, feature_cache_mb=1e-3))
+    once = Trainer(make(), target, pairs, dataclasses.replace(cfg, steps=2))  # 8 sequences of 8 samples: no reuse
+    assert tight.feature_cache is None and once.feature_cache is None
+    with pytest.raises(ConfigError, match="feature_cache_mb"):
+        from_dict(TrainConfig, {"feature_cache_mb": -1}).validate()
 
 
 def test_time_budget_stops_training_and_anneals():

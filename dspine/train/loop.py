@@ -65,6 +65,11 @@ class TrainConfig:
     # logits — a fraction of the peak memory, for large vocabularies — at a somewhat slower step (bench/results/
     # train_step_compare)
     chunked_head_ce: bool = False
+    # the target's features of every training sample kept (one process, on the target's device) and reused from the
+    # second epoch on, when all of them fit in this many MiB and the run sees its samples more than once — a small
+    # trace set fine-tuned for many steps pays for the target's forward once per sample, not once per step; each
+    # sample's features then come from its own forward (whatever it is batched with); 0: recomputed every step
+    feature_cache_mb: float = 1024.0
 
     def validate(self) -> None:
         for k in ("steps", "batch_size", "anchors_per_seq", "max_len"):
@@ -72,6 +77,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{k} must be positive")
         if self.time_budget_s < 0 or self.stop_after_s < 0:
             raise ConfigError("train.time_budget_s and train.stop_after_s must be >= 0 (0 turns them off)")
+        if self.feature_cache_mb < 0:
+            raise ConfigError(f"train.feature_cache_mb must be >= 0 (0 turns it off), got {self.feature_cache_mb:g}")
         if self.lr <= 0 or self.gamma <= 0:
             raise ConfigError("train.lr and train.gamma must be positive")
         if not 0 <= self.soft_labels <= 1:
@@ -336,6 +343,8 @@ class Trainer:
                 fused=target.device.type == "cuda",
             )
         self.src = FeatureSource(target, list(drafters.values()), any(kw["soft_labels"] for kw in self.kws.values()))
+        self.feature_cache = {} if self._cache_fits() else None
+        self.batch_idx: list[int] = []
         self.history: dict[str, list[dict]] = {n: [] for n in self.names}
         self.best = dict.fromkeys(self.names, float("-inf"))
         self.order: list[int] = []
@@ -366,6 +375,7 @@ class Trainer:
             self.rng.shuffle(more)
             self.order += more
         idx, self.order = self.order[: cfg.batch_size], self.order[cfg.batch_size :]
+        self.batch_idx = idx
         batch = make_batch(
             [self.samples[i] for i in idx],
             cfg.anchors_per_seq,
@@ -378,6 +388,29 @@ class Trainer:
             r, w = self.rank, self.world
             batch = Batch(batch.ids[r::w], batch.label_mask[r::w], batch.anchors[r::w])
         return batch
+
+    def _cache_fits(self) -> bool:
+        """Whether the training samples' features are kept (train.feature_cache_mb): one process, samples seen
+        more than once, and all their features within the budget."""
+        cfg, tgt = self.cfg, self.target
+        if not cfg.feature_cache_mb or self.world > 1 or cfg.steps * cfg.batch_size <= len(self.samples):
+            return False
+        width = (len(self.src.layers) + self.src.final_too) * tgt.info.hidden_size
+        tokens = sum(min(len(ids), cfg.max_len) for ids, _ in self.samples)
+        return tokens * width * torch.finfo(tgt.dtype).bits / 8 / 2**20 <= cfg.feature_cache_mb
+
+    def features(self, batch: Batch) -> torch.Tensor:
+        """The target's features of the batch (FeatureSource): with the feature cache, each sample's from its own
+        forward, computed once and kept, padded with zeros past its length (positions no loss reads)."""
+        if self.feature_cache is None:
+            return self.src(batch.ids)
+        rows = []
+        for i in self.batch_idx:
+            if i not in self.feature_cache:
+                ids = self.samples[i][0][: self.cfg.max_len]
+                self.feature_cache[i] = self.src(torch.tensor([ids], device=self.target.device))[0]
+            rows.append(self.feature_cache[i])
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
     def clock(self, step: int, this_call: float) -> Clock:
         cfg = self.cfg
@@ -483,7 +516,7 @@ class Trainer:
         first = self.names[0]
         for step in bar:
             batch = self.next_batch()
-            feats = self.src(batch.ids)
+            feats = self.features(batch)
             clock = self.clock(step, time.perf_counter() - t_start)
             last = step + 1 == cfg.steps or clock.out_of_time
             self.step(step, batch, feats, clock, log)
