@@ -52,6 +52,10 @@ class EvalConfig:
     min_tasks: int = 3  # ... or with fewer test tasks
     draws: int = 2000  # bootstrap draws for the intervals
     batch_size: int = 8  # held-out rows replayed together (one drafter, by prompt length)
+    # the base and adapted drafters' replays share one prefix cache of this many tokens (the target's K/V and
+    # features of each batch's prompts, prefilled once for both; a turn extending an earlier one reuses it too);
+    # memory: per token the target's K/V of every layer plus its features; 0: every replay prefills its prompt
+    prefix_cache_tokens: int = 65536
     general_workers: int = 1  # processes for the general benchmarks (a GPU is shared well by several)
     summary: str = ""  # summary.json whose `adaptation` section is rewritten
 
@@ -159,7 +163,14 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
             grows = _spread(grows, cfg.max_rows)
         adapted = load_drafter(info["drafter"], target, device=fc["device"])
         jobs = [(n, list(r["prompt_token_ids"]), list(r["completion_token_ids"])) for r in grows for n in ("base", g)]
-        res = replay(target, {"base": base, g: adapted}, jobs, progress=progress, batch_size=cfg.batch_size)
+        res = replay(
+            target,
+            {"base": base, g: adapted},
+            jobs,
+            progress=progress,
+            batch_size=cfg.batch_size,
+            prefix_tokens=cfg.prefix_cache_tokens,
+        )
         cells: dict[str, list] = {}
         for k, row in enumerate(grows):
             b, a = (AcceptanceStats(r["block_size"], r["accept_hist"]) for r in res[2 * k : 2 * k + 2])

@@ -14,6 +14,7 @@ from dspine.engine import Engine
 from dspine.eval.acceptance import (
     combine_seeds,
     greedy_answers,
+    greedy_completions,
     pair_ratios,
     replay,
     replay_benchmarks,
@@ -105,6 +106,40 @@ def test_a_replay_cut_at_its_deadline_goes_on_from_its_cache_and_a_retrained_dra
         next(iter(second.injections.values())).write.weight.mul_(0.5)
     with pytest.raises(acceptance.ReplayIncomplete, match="1 of 2 drafters"):
         run(cache=cache, deadline=time.time() - 1)
+
+
+def test_drafters_replaying_the_same_prompts_share_one_prefill(smollm2, monkeypatch):
+    """replay(prefix_tokens=N): each batch of prompts is prefilled once for every drafter (the later drafters
+    reuse all but the last prompt token, and a later turn extending an earlier prompt reuses it), and every
+    drafter's acceptance is what it is without the shared cache."""
+    from dspine.target import Target
+
+    shipped = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    noisy = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
+    with torch.no_grad():
+        for inj in noisy.injections.values():
+            inj.write.weight.mul_(0.5)
+    drafters = {"shipped": shipped, "noisy": noisy}
+    turns = [it.turns[0] for it in load_benchmark("mt_bench", 3)]
+    answers = greedy_answers(smollm2, turns, 16, batch_size=3)
+    p0, a0 = answers[0]
+    said = smollm2.tokenizer.decode(a0, skip_special_tokens=True)
+    talk = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": said}]
+    longer = smollm2.chat_ids([*talk, {"role": "user", "content": "Go on."}])  # a later turn of the first one
+    assert longer[: len(p0)] == p0
+    answers.append((longer, greedy_completions(smollm2, [longer], 16)[0]))
+    jobs = [(n, p, a) for p, a in answers for n in drafters]
+    fed = []
+    real = Target.forward
+    monkeypatch.setattr(
+        Target, "forward", lambda self, ids, *a, **k: fed.append(ids.numel()) or real(self, ids, *a, **k)
+    )
+    alone = replay(smollm2, drafters, jobs, progress=False, batch_size=2)
+    cost_alone, fed[:] = sum(fed), []
+    shared = replay(smollm2, drafters, jobs, progress=False, batch_size=2, prefix_tokens=8192)
+    assert shared == alone
+    prompts = sum(len(p) for p, _ in answers)
+    assert cost_alone - sum(fed) >= prompts - 2 * len(answers)  # one drafter's prefills nearly all saved, or more
 
 
 def _seed_doc(seed: int, rows: dict) -> dict:

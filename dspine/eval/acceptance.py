@@ -21,6 +21,7 @@ from dspine.decoding import DraftTree
 from dspine.engine import Engine, generate_batch
 from dspine.io import atomic_write_text, json_text, md_table, provenance
 from dspine.plots import line_panels
+from dspine.prefix import PrefixCache
 from dspine.sampling import SamplingParams
 from dspine.stats import AcceptanceStats, group_by, summarize
 from dspine.workloads import load_benchmark
@@ -168,24 +169,37 @@ def replay(
     target_spec: tuple | None = None,
     drafter_paths: dict | None = None,
     batch_size: int = 1,
+    prefix_tokens: int = 0,
 ) -> list[dict]:
     """jobs: (drafter name, prompt ids, a greedy continuation from elsewhere, e.g. SGLang's) -> per job the
     drafter's acceptance on exactly that text (`Engine.generate(forced=...)`): {"tau", "rounds", "accepted"}.
     Trajectories no longer diverge, so τ differences are the drafters' own (kernels, numerics). Workers as
     in `evaluate`; `batch_size` > 1 (one process) replays that many jobs of one drafter together, by prompt
-    length (`BatchDecode` with forced rows), the way a GPU is kept busy."""
+    length (`BatchDecode` with forced rows), the way a GPU is kept busy. `prefix_tokens` > 0 (one process):
+    every drafter's engine shares one prefix cache of that many tokens (prefix.PrefixCache: the target's K/V
+    and features, not the drafter's) and each batch of prompts goes through every drafter before the next, so a
+    prompt replayed by several drafters — or extended by a later turn of its conversation — is prefilled once;
+    the drafters then read the very features the first prefill computed."""
     import concurrent.futures as cf
 
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(jobs), desc="replay", disable=not progress)
     out: list = [None] * len(jobs)
-    engines = {n: Engine(target, d) for n, d in drafters.items()} if workers <= 1 else {}
+    shared = PrefixCache(prefix_tokens) if prefix_tokens > 0 and workers <= 1 else None
+    engines = {n: Engine(target, d, prefix_cache=shared) for n, d in drafters.items()} if workers <= 1 else {}
     if workers <= 1 and batch_size > 1:
-        for name, eng in engines.items():
-            idx = sorted((i for i, j in enumerate(jobs) if j[0] == name), key=lambda i: -len(jobs[i][1]))
-            for k in range(0, len(idx), batch_size):
-                chunk = idx[k : k + batch_size]
+        # each drafter's jobs longest prompt first (ties by the prompt itself, so that drafters replaying the
+        # same prompts batch them alike); batch k of every drafter before batch k + 1 of any
+        order = {
+            name: sorted((i for i, j in enumerate(jobs) if j[0] == name), key=lambda i: (-len(jobs[i][1]), jobs[i][1]))
+            for name in engines
+        }
+        for k in range(0, max(map(len, order.values()), default=0), batch_size):
+            for name, eng in engines.items():
+                chunk = order[name][k : k + batch_size]
+                if not chunk:
+                    continue
                 prompts, texts = [jobs[i][1] for i in chunk], [jobs[i][2] for i in chunk]
                 res = generate_batch(eng, prompts, SamplingParams(temperature=0.0), forced=texts)
                 for i, r in zip(chunk, res):
