@@ -86,6 +86,13 @@ def main(argv=None) -> int:
         help="replay: recorded agent conversations replayed through the proxy; live: the agent harness runs",
     )
     ap.add_argument("--conversations", type=int, default=4, help="replay: conversations per workload (one per task)")
+    ap.add_argument(
+        "--max-context",
+        type=int,
+        default=4096,
+        help="replay: the longest prompt + reply (longer contexts cut from the left at a message boundary, the "
+        "system message kept), and the server's window for prompts: on a CPU the prefills are most of the demo's time",
+    )
     ap.add_argument("--workload", default="tool", help="live: agent workload collected (tool, office, swe)")
     ap.add_argument("--levels", default=None, help="thinking levels (default: none for replay, low,high for live)")
     ap.add_argument("--episodes", type=int, default=3, help="live: per level (one of each level's is held out)")
@@ -125,7 +132,11 @@ def main(argv=None) -> int:
         stage("dspine serve: SmolLM2-135M-Instruct + the shipped DSpine drafter (swappable: --admin-key)")
         log = open(work / "server.log", "wb")
         server, base = start_server_process(
-            "builtin", "smol", extra=["--max-prompt-tokens", "7000"], log=log, env={"DSPINE_ADMIN_KEY": admin}
+            "builtin",
+            "smol",
+            extra=["--max-prompt-tokens", str(a.max_context)],
+            log=log,
+            env={"DSPINE_ADMIN_KEY": admin},
         )
         stage("LiteLLM proxy in front of it, recording every request in a SQLite store")
         cfg = ProxyConfig(
@@ -156,7 +167,7 @@ def main(argv=None) -> int:
                 "--max-tokens",
                 "48",
                 "--max-context",
-                "7000",
+                str(a.max_context),
                 "--tokenizer",  # the proxy's /v1/models does not name the target: its rendering decides the cuts
                 "smollm2-135m-instruct",
             ]
