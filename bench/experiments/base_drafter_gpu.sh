@@ -38,6 +38,11 @@
 # Its evaluation (30 items x 512 tokens, ten drafters) ran past one call in session 44: `eval S` stops starting
 # drafters' replays S - 40 s into the call (exit status 3), keeps the answers and each replayed drafter in
 # $W/eval_cache, and `eval S` again on the same warm machine goes on from there.
+# Two seeds in one lockstep (same data, batches and anchors; one regeneration and one evaluation for both): each
+# drafter's twin under another initialisation seed as an ablation NAME_s1, paired with its own seed's twin, e.g.
+#   EXTRA='ablations={"dspine_split":{"loss":{"redo_split":0.5}},"dspine_s1":{"seed":1},"dflash_s1":{"method":"dflash","seed":1},"dspine_split_s1":{"loss":{"redo_split":0.5},"seed":1}} eval_pairs={"dspine":"dflash","dspine_split":"dflash","dspine_s1":"dflash_s1","dspine_split_s1":"dflash_s1"}'
+# then here `python bench/recipe.py --stage seeds --reports ratio_levers.json --out bench/results/ratio_levers.json`
+# (split_seed_variants: one document per seed, combined over both).
 # PROFILE=1 with BS=N: `start` profiles N's step (bench/train_step.py --profile) instead of probing sizes.
 # EXTRA="key=value ...": more recipe overrides for every stage of the call (e.g. sampled_num_prompts=600 for a
 # shorter regeneration, eval_temperatures=[0.0]); give a call the same ones as the calls before it.
