@@ -283,9 +283,9 @@ def test_the_feature_cache_runs_the_target_once_per_sample_and_trains_as_recompu
     fresh = make()
     train_drafters(fresh, target, pairs, dataclasses.replace(cfg, feature_cache_mb=0), progress=False)
     assert sum(rows) == cfg.steps * cfg.batch_size
-    a, b = kept["d"].state_dict(), fresh["d"].state_dict()
-    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
-    assert any(not torch.equal(a[k], make()["d"].state_dict()[k]) for k in a)  # it trained
+    a, b, init = kept["d"].state_dict(), fresh["d"].state_dict(), make()["d"].state_dict()
+    dist = lambda x, y: sum(float((x[k].float() - y[k].float()).norm()) for k in x)
+    assert dist(a, init) > 0 and dist(a, b) < 0.02 * dist(a, init)  # it trained, and as recomputing trains
     tight = Trainer(make(), target, pairs, dataclasses.replace(cfg, feature_cache_mb=1e-3))
     once = Trainer(make(), target, pairs, dataclasses.replace(cfg, steps=2))  # 8 sequences of 8 samples: no reuse
     assert tight.feature_cache is None and once.feature_cache is None

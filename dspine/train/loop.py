@@ -65,10 +65,11 @@ class TrainConfig:
     # logits — a fraction of the peak memory, for large vocabularies — at a somewhat slower step (bench/results/
     # train_step_compare)
     chunked_head_ce: bool = False
-    # the target's features of every training sample kept (one process, on the target's device) and reused from the
-    # second epoch on, when all of them fit in this many MiB and the run sees its samples more than once — a small
-    # trace set fine-tuned for many steps pays for the target's forward once per sample, not once per step; each
-    # sample's features then come from its own forward (whatever it is batched with); 0: recomputed every step
+    # the target's features of every training sample kept (on the target's device, by each process for the rows it
+    # trains on) and reused from the second epoch on, when all of them fit in this many MiB and the run sees its
+    # samples more than once — a small trace set fine-tuned for many steps pays for the target's forward once per
+    # sample, not once per step; each sample's features then come from its own forward (whatever it is batched
+    # with), in one process or several alike; 0: recomputed every step
     feature_cache_mb: float = 1024.0
 
     def validate(self) -> None:
@@ -387,13 +388,14 @@ class Trainer:
         if self.world > 1:  # this process's share of the global batch
             r, w = self.rank, self.world
             batch = Batch(batch.ids[r::w], batch.label_mask[r::w], batch.anchors[r::w])
+            self.batch_idx = idx[r::w]
         return batch
 
     def _cache_fits(self) -> bool:
-        """Whether the training samples' features are kept (train.feature_cache_mb): one process, samples seen
-        more than once, and all their features within the budget."""
+        """Whether the training samples' features are kept (train.feature_cache_mb): samples seen more than once,
+        and all their features within the budget (each process keeps those of the rows it trains on)."""
         cfg, tgt = self.cfg, self.target
-        if not cfg.feature_cache_mb or self.world > 1 or cfg.steps * cfg.batch_size <= len(self.samples):
+        if not cfg.feature_cache_mb or cfg.steps * cfg.batch_size <= len(self.samples):
             return False
         width = (len(self.src.layers) + self.src.final_too) * tgt.info.hidden_size
         tokens = sum(min(len(ids), cfg.max_len) for ids, _ in self.samples)
