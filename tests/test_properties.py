@@ -286,6 +286,16 @@ def test_the_feature_cache_runs_the_target_once_per_sample_and_trains_as_recompu
     a, b, init = kept["d"].state_dict(), fresh["d"].state_dict(), make()["d"].state_dict()
     dist = lambda x, y: sum(float((x[k].float() - y[k].float()).norm()) for k in x)
     assert dist(a, init) > 0 and dist(a, b) < 0.02 * dist(a, init)  # it trained, and as recomputing trains
+    uneven = [(ids[: 20 + 3 * j], start) for j, (ids, start) in enumerate(pairs)]
+    share = Trainer(make(), target, uneven, cfg)
+    share.rank, share.world = 1, 2  # one process of two: its half of each global batch, as wide as the whole
+    for _ in range(3):
+        batch = share.next_batch()
+        feats, direct = share.features(batch), share.src(batch.ids)
+        assert feats.shape == direct.shape
+        for row, i in enumerate(share.batch_idx):
+            n = len(uneven[i][0])
+            assert torch.allclose(feats[row, :n], direct[row, :n], atol=1e-5)
     tight = Trainer(make(), target, pairs, dataclasses.replace(cfg, feature_cache_mb=1e-3))
     once = Trainer(make(), target, pairs, dataclasses.replace(cfg, steps=2))  # 8 sequences of 8 samples: no reuse
     assert tight.feature_cache is None and once.feature_cache is None

@@ -412,7 +412,9 @@ class Trainer:
                 ids = self.samples[i][0][: self.cfg.max_len]
                 self.feature_cache[i] = self.src(torch.tensor([ids], device=self.target.device))[0]
             rows.append(self.feature_cache[i])
-        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        feats = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        # the batch's width is the global batch's longest row (a process's share may be shorter)
+        return torch.nn.functional.pad(feats, (0, 0, 0, batch.ids.shape[1] - feats.shape[1]))
 
     def clock(self, step: int, this_call: float) -> Clock:
         cfg = self.cfg
