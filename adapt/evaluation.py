@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspine.options import REPLAY_PREFIX_TOKENS
 from dspine.stats import AcceptanceStats
 
 BENCHMARKS = ["gsm8k", "math500", "humaneval", "mbpp", "livecodebench", "mt_bench", "arena_hard"]
@@ -55,7 +56,7 @@ class EvalConfig:
     # the base and adapted drafters' replays share one prefix cache of this many tokens (the target's K/V and
     # features of each batch's prompts, prefilled once for both; a turn extending an earlier one reuses it too);
     # memory: per token the target's K/V of every layer plus its features; 0: every replay prefills its prompt
-    prefix_cache_tokens: int = 65536
+    prefix_cache_tokens: int = REPLAY_PREFIX_TOKENS
     general_workers: int = 1  # processes for the general benchmarks (a GPU is shared well by several)
     summary: str = ""  # summary.json whose `adaptation` section is rewritten
 

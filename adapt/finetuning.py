@@ -403,17 +403,16 @@ def general_validation_rows(target, n: int, max_new_tokens: int) -> tuple[list, 
     return greedy_answers(target, [it.turns[0] for _, it in items], max_new_tokens), [b for b, _ in items]
 
 
-def replay_taus(
-    target, drafters: dict, rows: list, batch_size: int = 16, prefix_tokens: int = 65536
-) -> dict[str, float]:
+def replay_taus(target, drafters: dict, rows: list, batch_size: int = 16) -> dict[str, float]:
     """Each drafter's pooled τ over `rows` (prompt ids, completion ids), replayed through the engine from the
     exact prefixes (dspine.eval.acceptance.replay, as adapt/evaluate.py measures the test part), the candidates
-    sharing one prefix cache of `prefix_tokens` (each batch's prompts prefilled once for all of them)."""
+    sharing one prefix cache (each batch's prompts prefilled once for all of them)."""
     from dspine.eval.acceptance import replay
+    from dspine.options import REPLAY_PREFIX_TOKENS
     from dspine.stats import AcceptanceStats
 
     jobs = [(n, list(p), list(c)) for p, c in rows for n in drafters]
-    res = replay(target, drafters, jobs, progress=False, batch_size=batch_size, prefix_tokens=prefix_tokens)
+    res = replay(target, drafters, jobs, progress=False, batch_size=batch_size, prefix_tokens=REPLAY_PREFIX_TOKENS)
     pooled: dict = {}
     for (n, _, _), r in zip(jobs, res):
         st = AcceptanceStats(r["block_size"], r["accept_hist"])

@@ -18,6 +18,8 @@ CPU_DRAFT_TREE = "0000.1"
 GPU_DRAFT_TREE = "000000000000000.00000001.000001.00001.0001000.0010.010.02.100.20"
 DRAFT_POLICIES = ("fixed", "goodput")
 PREFIX_CACHE_TOKENS = 16384  # SmolLM2-135M in fp32 holds ~58 KB per cached token (its K/V and the drafter's features)
+# a replay's drafters share one prefix cache that holds a whole batch of agent prompts (adapt's evaluation, validation)
+REPLAY_PREFIX_TOKENS = 65536
 
 
 def default_draft_tree(device_type: str, cfg) -> str | None:

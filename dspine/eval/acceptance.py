@@ -295,8 +295,13 @@ def replay_benchmarks(
     cache = Path(cache) if cache is not None else None
     items = [(b, it.turns[0]) for b in benchmarks for it in load_benchmark(b, limit)]
     dtype = str(target.dtype).replace("torch.", "")
-    key = {"benchmarks": benchmarks, "limit": limit, "max_new_tokens": max_new_tokens, "target": target.name}
-    key["dtype"] = dtype
+    key = {
+        "benchmarks": benchmarks,
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+        "target": target.name,
+        "dtype": dtype,
+    }
     at = cache / "answers.json" if cache else None
     answers = _cached(at, key)
     if answers is None:

@@ -376,7 +376,7 @@ class Trainer:
             self.rng.shuffle(more)
             self.order += more
         idx, self.order = self.order[: cfg.batch_size], self.order[cfg.batch_size :]
-        self.batch_idx = idx
+        self.batch_idx = idx[self.rank :: self.world]  # the samples of this process's rows
         batch = make_batch(
             [self.samples[i] for i in idx],
             cfg.anchors_per_seq,
@@ -388,7 +388,6 @@ class Trainer:
         if self.world > 1:  # this process's share of the global batch
             r, w = self.rank, self.world
             batch = Batch(batch.ids[r::w], batch.label_mask[r::w], batch.anchors[r::w])
-            self.batch_idx = idx[r::w]
         return batch
 
     def _cache_fits(self) -> bool:
@@ -406,15 +405,16 @@ class Trainer:
         forward, computed once and kept, padded with zeros past its length (positions no loss reads)."""
         if self.feature_cache is None:
             return self.src(batch.ids)
-        rows = []
-        for i in self.batch_idx:
+        feats = None
+        for row, i in enumerate(self.batch_idx):
             if i not in self.feature_cache:
                 ids = self.samples[i][0][: self.cfg.max_len]
                 self.feature_cache[i] = self.src(torch.tensor([ids], device=self.target.device))[0]
-            rows.append(self.feature_cache[i])
-        feats = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        # the batch's width is the global batch's longest row (a process's share may be shorter)
-        return torch.nn.functional.pad(feats, (0, 0, 0, batch.ids.shape[1] - feats.shape[1]))
+            f = self.feature_cache[i]
+            if feats is None:  # as wide as the (global) batch: a process's rows may all be shorter than its longest
+                feats = f.new_zeros(len(self.batch_idx), batch.ids.shape[1], f.shape[-1])
+            feats[row, : len(f)] = f
+        return feats
 
     def clock(self, step: int, this_call: float) -> Clock:
         cfg = self.cfg
