@@ -84,6 +84,10 @@ class FinetuneConfig:
     max_general_regression: float = 0.02
     general_max_new_tokens: int = 128
     workers: int = 1  # Ray Train workers; 0: in this process, without Ray
+    # CPUs Ray reserves for each training worker — on a CPU run also its torch threads (Ray would give a worker
+    # one CPU, so one thread, by default); 0: a CPU run shares the largest node's CPUs among the workers, a GPU
+    # run takes Ray's default
+    cpus_per_worker: int = 0
     report_every_s: float = 0.0  # > 0: a Ray checkpoint every so many seconds of training
     max_failures: int = 1  # Ray Train restarts of the worker group, each from the last reported checkpoint
     seed: int = 0
@@ -111,8 +115,8 @@ class FinetuneConfig:
             raise ConfigError(f"blend {self.blend}, blend_choices {self.blend_choices}: in (0, 1] (1: as trained)")
         if self.mix_fraction and not self.mix:
             raise ConfigError("mix_fraction > 0 needs mix (a regenerated-data folder)")
-        if self.workers < 0 or self.lora_rank < 1 or self.train.max_len < 8:
-            raise ConfigError("workers >= 0, lora_rank >= 1 and train.max_len >= 8")
+        if self.workers < 0 or self.cpus_per_worker < 0 or self.lora_rank < 1 or self.train.max_len < 8:
+            raise ConfigError("workers >= 0, cpus_per_worker >= 0, lora_rank >= 1 and train.max_len >= 8")
         if set(self.levels) - set(LEVELS):
             raise ConfigError(f"levels {sorted(set(self.levels) - set(LEVELS))}: one of {LEVELS}")
         self.train.validate()
@@ -334,7 +338,7 @@ def train_group(
         alpha, scores = choose_blend(cfg, plain, base_state, target, data["validation"], data.get("validation_rows"))
         if base_state is not None and alpha < 1:
             blend_weights(plain, base_state, alpha)
-        last = {**hist[-1], "processes": tr.world}
+        last = {**hist[-1], "processes": tr.world, "threads": torch.get_num_threads()}
         info = {**extra, "history": last, "blend": alpha, "blend_validation": {"by": cfg.select_by, "tau": scores}}
         save_drafter(plain, workdir / "final", extra=info, derived=False)
     return hist
@@ -428,6 +432,10 @@ def _ray_worker(conf: dict) -> None:
     from dspine.config import from_dict
 
     cfg = from_dict(FinetuneConfig, conf["cfg"])
+    if conf.get("threads"):  # a CPU run: as many torch threads as CPUs Ray reserved for this worker
+        import torch
+
+        torch.set_num_threads(conf["threads"])
     rank = ray.train.get_context().get_world_rank()
     work = Path(tempfile.mkdtemp(prefix=f"dspine-ft-{rank}-"))
     ckpt = ray.train.get_checkpoint()
@@ -492,16 +500,33 @@ def finetune(cfg: FinetuneConfig, progress: bool = True) -> dict:
     return summary
 
 
+def worker_cpus(workers: int) -> int:
+    """CPUs for each of `workers` training workers on a CPU run: the Ray cluster's CPUs shared among them, at
+    most one node's (a worker runs on one node), at least one. Joins (or starts) the Ray cluster as
+    TorchTrainer would."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    total = ray.cluster_resources().get("CPU", 1)
+    node = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")), default=total)
+    return max(1, int(min(node, total // workers)))
+
+
 def _fit_with_ray(cfg: FinetuneConfig, group: str, data: dict, out: Path) -> Path:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from dspine.config import to_dict
 
+    gpu = cfg.device.startswith("cuda")
+    cpus = cfg.cpus_per_worker or (0 if gpu else worker_cpus(cfg.workers))
     trainer = TorchTrainer(
         _ray_worker,
-        train_loop_config={"cfg": to_dict(cfg), "group": group, "data": data},
-        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.device.startswith("cuda")),
+        train_loop_config={"cfg": to_dict(cfg), "group": group, "data": data, "threads": 0 if gpu else cpus},
+        scaling_config=ScalingConfig(
+            num_workers=cfg.workers, use_gpu=gpu, resources_per_worker={"CPU": cpus} if cpus else None
+        ),
         run_config=RunConfig(
             name=f"finetune-{group}",
             storage_path=str((out / "ray").resolve()),

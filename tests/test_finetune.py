@@ -20,6 +20,7 @@ from dspine.adapt.finetuning import (
     merge_lora,
     row_sample,
     split_episodes,
+    worker_cpus,
 )
 from dspine.agents.base import TraceRow
 from dspine.agents.traces import Store
@@ -245,8 +246,13 @@ def test_ray_train_two_workers_end_where_one_process_ends(setup):
     try:
         # a pause after every step: each reports a Ray checkpoint, and the run continues exactly
         two = finetune(_cfg(setup, name="two", workers=2, report_every_s=1e-6), progress=False)
+        # one worker on the 2-CPU cluster: Ray reserves both CPUs for it, and it trains on two threads
+        # (Ray's default, one CPU a worker, would have left it one thread)
+        wide = finetune(_cfg(setup, name="wide", workers=1), progress=False)
+        assert (worker_cpus(1), worker_cpus(2), worker_cpus(3)) == (2, 1, 1)
     finally:
         ray.shutdown()
+    assert (two["groups"]["all"]["last"]["threads"], wide["groups"]["all"]["last"]["threads"]) == (1, 2)
     a, b = (load_file(str(setup / n / "all" / "model.safetensors")) for n in ("one", "two"))
     base = load_file(str(setup / "base" / "model.safetensors"))
     assert set(a) == set(b)
