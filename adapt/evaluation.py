@@ -145,7 +145,8 @@ def evaluate_adaptation(cfg: EvalConfig, progress: bool = True) -> dict:
     from dspine.adapt.finetuning import group_of
     from dspine.agents.traces import load_traces
     from dspine.checkpoint import load_drafter, resolve_drafter
-    from dspine.eval.acceptance import benchmark_means, evaluate, replay
+    from dspine.eval.acceptance import benchmark_means, evaluate
+    from dspine.eval.replay import replay
     from dspine.io import update_summary
     from dspine.target import load_target
 

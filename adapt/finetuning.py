@@ -371,7 +371,7 @@ def choose_blend(
     if cfg.general_validation and base_state is not None:
         base = copy.deepcopy(drafter)
         base.load_state_dict(base_state)
-        from dspine.eval.acceptance import replay_grouped
+        from dspine.eval.replay import replay_grouped
 
         grows, groups = general_validation_rows(target, cfg.general_validation, cfg.general_max_new_tokens)
         general = replay_grouped(target, {"base": base, **cands}, grows, groups, 16, progress=False)["mean"]
@@ -400,7 +400,7 @@ def general_validation_rows(target, n: int, max_new_tokens: int) -> tuple[list, 
     ones), their first turns rendered by the target's chat template, and the target's greedy answer, decoded in
     one batch -> ([(prompt ids, answer ids)], [benchmark of each row])."""
     from dspine.adapt.evaluation import BENCHMARKS
-    from dspine.eval.acceptance import greedy_answers
+    from dspine.eval.replay import greedy_answers
     from dspine.workloads import load_benchmark
 
     items = [(b, it) for b in BENCHMARKS for it in load_benchmark(b)[-n:]]
@@ -409,9 +409,9 @@ def general_validation_rows(target, n: int, max_new_tokens: int) -> tuple[list, 
 
 def replay_taus(target, drafters: dict, rows: list, batch_size: int = 16) -> dict[str, float]:
     """Each drafter's pooled τ over `rows` (prompt ids, completion ids), replayed through the engine from the
-    exact prefixes (dspine.eval.acceptance.replay, as adapt/evaluate.py measures the test part), the candidates
+    exact prefixes (dspine.eval.replay.replay, as adapt/evaluate.py measures the test part), the candidates
     sharing one prefix cache (each batch's prompts prefilled once for all of them)."""
-    from dspine.eval.acceptance import replay
+    from dspine.eval.replay import replay
     from dspine.options import REPLAY_PREFIX_TOKENS
     from dspine.stats import AcceptanceStats
 

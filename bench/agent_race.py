@@ -37,7 +37,7 @@ import torch
 from dspine.checkpoint import load_drafter
 from dspine.drafters import builtin_drafter
 from dspine.engine import Engine
-from dspine.eval.acceptance import greedy_completions
+from dspine.eval.replay import greedy_completions
 from dspine.goodput import SuffixChainPolicy, TreePolicy
 from dspine.io import atomic_write_text, json_text, md_table, provenance, update_summary
 from dspine.options import PREFIX_CACHE_TOKENS, EngineOptions

@@ -29,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspine.config import apply_overrides, from_dict
-from dspine.eval.acceptance import ReplayIncomplete, combine_seeds, split_seed_variants, write_replay_results
+from dspine.eval.replay import ReplayIncomplete, combine_seeds, split_seed_variants, write_replay_results
 from dspine.io import atomic_write_text, update_summary
 from dspine.train.recipe import (
     RecipeConfig,

@@ -100,7 +100,7 @@ def test_replay_agreement_on_another_engines_outputs(tiny):
     from conftest import brief_train
 
     from dspine.engine import Engine
-    from dspine.eval.acceptance import replay
+    from dspine.eval.replay import replay
     from dspine.sampling import SamplingParams
     from dspine.sglang.bench import replay_agreement, replay_jobs
 

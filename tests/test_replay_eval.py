@@ -1,4 +1,4 @@
-"""Acceptance at T = 0 by replay (dspine.eval.acceptance.replay_benchmarks): every drafter replayed on the target's
+"""Acceptance at T = 0 by replay (dspine.eval.replay.replay_benchmarks): every drafter replayed on the target's
 greedy answers is what decoding with it accepts, pairs get their ratio with an interval over items, and the
 recipe's replay evaluation is configured strictly."""
 
@@ -11,7 +11,7 @@ import torch
 from dspine.checkpoint import load_drafter, resolve_drafter
 from dspine.config import ConfigError
 from dspine.engine import Engine
-from dspine.eval.acceptance import (
+from dspine.eval.replay import (
     combine_seeds,
     greedy_answers,
     greedy_completions,
@@ -87,24 +87,24 @@ def test_the_recipe_replay_evaluation_refuses_what_it_cannot_do():
 def test_a_replay_cut_at_its_deadline_goes_on_from_its_cache_and_a_retrained_drafter_is_replayed_again(
     smollm2, tmp_path, monkeypatch
 ):
-    from dspine.eval import acceptance
+    from dspine.eval import replay as replay_module
 
     first = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
     second = load_drafter(resolve_drafter("builtin", "smollm2-135m-instruct"), smollm2)
     drafters, cache = {"first": first, "second": second}, tmp_path / "cache"
     run = lambda **kw: replay_benchmarks(smollm2, drafters, ["gsm8k"], 2, 16, batch_size=2, progress=False, **kw)
-    with pytest.raises(acceptance.ReplayIncomplete, match="0 of 2 drafters") as e:
+    with pytest.raises(replay_module.ReplayIncomplete, match="0 of 2 drafters") as e:
         run(cache=cache, deadline=time.time() - 1)  # the answers are kept, no replay starts
     assert e.value.done == 0 and (cache / "answers.json").is_file() and not (cache / "replay-first.json").exists()
     whole = run()  # no cache: everything from scratch
     cut = run(cache=cache, deadline=time.time() + 3600)
     assert cut["results"] == whole["results"] and cut["pooled"] == whole["pooled"]
-    monkeypatch.setattr(acceptance, "greedy_answers", lambda *a, **k: pytest.fail("answers recomputed"))
-    monkeypatch.setattr(acceptance, "replay", lambda *a, **k: pytest.fail("a kept replay recomputed"))
+    monkeypatch.setattr(replay_module, "greedy_answers", lambda *a, **k: pytest.fail("answers recomputed"))
+    monkeypatch.setattr(replay_module, "replay", lambda *a, **k: pytest.fail("a kept replay recomputed"))
     assert run(cache=cache, deadline=time.time() - 1)["results"] == whole["results"]  # all kept: nothing starts
     with torch.no_grad():  # trained further: same config, other weights -> its replay is stale
         next(iter(second.injections.values())).write.weight.mul_(0.5)
-    with pytest.raises(acceptance.ReplayIncomplete, match="1 of 2 drafters"):
+    with pytest.raises(replay_module.ReplayIncomplete, match="1 of 2 drafters"):
         run(cache=cache, deadline=time.time() - 1)
 
 

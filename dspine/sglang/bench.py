@@ -367,13 +367,13 @@ def sglang_bench(
 
 def replay_jobs(doc: dict, names: list[str]) -> list[tuple[str, list[int], list[int]]]:
     """(drafter, prompt ids, SGLang's concurrency-1 output) for each drafter in `names` and each request with
-    at least one output token — what `eval.acceptance.replay` decodes with dspine's engine."""
+    at least one output token — what `eval.replay.replay` decodes with dspine's engine."""
     return [(n, p, o) for n in names for p, o in zip(doc["prompt_ids"], doc["outputs_c1"][n]) if o]
 
 
 def replay_agreement(doc: dict, jobs: list, results: list[dict], engine_dtype: str) -> dict:
     """τ per benchmark at concurrency 1 from SGLang beside dspine's engine decoding the very same text
-    (`eval.acceptance.replay` on SGLang's outputs): {drafter: {per_benchmark: {sglang, engine, ratio}, max_rel_diff}}.
+    (`eval.replay.replay` on SGLang's outputs): {drafter: {per_benchmark: {sglang, engine, ratio}, max_rel_diff}}.
     Same text, so the rounds face the same targets; what remains is the drafter's numerics in each engine."""
     bench_of = {}
     for b, p in zip(doc["benchmark_of"], doc["prompt_ids"]):
@@ -472,7 +472,7 @@ def run_sglang_bench(cfg: SGLangBenchConfig, benches: list[str], specs: dict[str
     from transformers import AutoTokenizer
 
     from dspine.checkpoint import load_models
-    from dspine.eval.acceptance import replay
+    from dspine.eval.replay import replay
     from dspine.target import resolve_target_path
     from dspine.workloads import load_benchmark
 

@@ -386,9 +386,9 @@ def _with_run(doc: dict, cfg: RecipeConfig, work: Path) -> dict:
 
 
 def _replay_eval(cfg: RecipeConfig, work: Path, specs: dict, out_json: str | Path, progress: bool) -> dict:
-    """eval_mode=replay: the benchmarks replayed at T = 0 (eval.acceptance.replay_benchmarks), each pair's ratio
+    """eval_mode=replay: the benchmarks replayed at T = 0 (eval.replay.replay_benchmarks), each pair's ratio
     with its interval, and every drafter on the training run's own held-out anchors (the split `run` drew)."""
-    from dspine.eval.acceptance import pair_ratios, replay_benchmarks, write_replay_results
+    from dspine.eval.replay import pair_ratios, replay_benchmarks, write_replay_results
     from dspine.train.losses import heldout_stats
     from dspine.train.run import split_heldout
 
