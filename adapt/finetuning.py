@@ -86,7 +86,8 @@ class FinetuneConfig:
     workers: int = 1  # Ray Train workers; 0: in this process, without Ray
     # CPUs Ray reserves for each training worker — on a CPU run also its torch threads (Ray would give a worker
     # one CPU, so one thread, by default); 0: a CPU run shares the largest node's CPUs among the workers, a GPU
-    # run takes Ray's default
+    # run takes Ray's default (where other tasks keep CPUs of that node, e.g. `--entrypoint-num-cpus`, set it:
+    # Ray starts a worker only once its CPUs are free)
     cpus_per_worker: int = 0
     report_every_s: float = 0.0  # > 0: a Ray checkpoint every so many seconds of training
     max_failures: int = 1  # Ray Train restarts of the worker group, each from the last reported checkpoint
