@@ -414,14 +414,12 @@ def replay_one(engines: dict, name: str, prompt_ids: list[int], forced: list[int
     return _stats_of(engines[name].generate(prompt_ids, SamplingParams(temperature=0.0), forced=forced).stats)
 
 
-def _stats_of(st) -> dict:
-    return {
-        "tau": st.tau,
-        "rounds": st.rounds,
-        "accepted": st.accepted,
-        "accept_hist": st.accept_hist,
-        "block_size": st.block_size,
-    }
+REPLAY_FIELDS = ("tau", "rounds", "accepted", "accept_hist", "block_size")  # of AcceptanceStats.to_dict, per job
+
+
+def _stats_of(st: AcceptanceStats) -> dict:
+    d = st.to_dict()
+    return {k: d[k] for k in REPLAY_FIELDS}
 
 
 def _tau_table(doc: dict) -> str:
