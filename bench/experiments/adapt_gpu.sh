@@ -20,7 +20,7 @@
 # their needs; the machine has no Ray, so episodes run in local worker processes) runs
 #   bash bench/experiments/adapt_gpu.sh wheels
 # then one carrying .carry/m2 and .carry/whl:
-#   bash bench/experiments/adapt_gpu.sh collect S [EPISODES] [CONCURRENCY]     swe, tool, office × low, high; traces to $OUT
+#   bash bench/experiments/adapt_gpu.sh collect S [EPISODES] [CONCURRENCY]     swe, tool, office × LEVELS (default low,high); traces to $OUT
 # and `run` finds them in /tmp/adapt/traces (step 3 is then skipped).
 # `run` trains the variants one after another, each for TRAIN_S seconds (default 60), evaluates each (held-out
 # rows of every cell replayed EVAL_BATCH at a time, at most MAX_ROWS of them, 0: all; the seven benchmarks at LIMIT
@@ -45,7 +45,9 @@ traces)
   if [ -d .carry/mix ]; then mkdir -p $W/mix && cat .carry/mix/data.tar.* | tar x -C $W/mix && ls $W/mix; fi ;;
 wheels)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/agentwhl/*.whl
-  PYTHONPATH=/tmp/site:$PWD python3 -c "import fastapi, uvicorn, litellm, minisweagent, docx, openpyxl; print('agents stack ok')" ;;
+  PYTHONPATH=/tmp/site:$PWD python3 -c "import fastapi, uvicorn, litellm, minisweagent, docx, openpyxl, platformdirs
+import dspine.serve.server, dspine.agents.swe, dspine.agents.tau, dspine.agents.office, dspine.adapt.collection
+print('agents stack ok')" ;;
 collect)
   [ -f /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || bash .carry/m2/join
   export PYTHONPATH=/tmp/site:$PWD LITELLM_LOCAL_MODEL_COST_MAP=True  # no network: litellm's bundled price map
@@ -55,7 +57,7 @@ collect)
   up() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/v1/models', timeout=2)" 2> /dev/null; }
   for _ in $(seq 90); do up && break; sleep 2; done
   timeout "$(left $(($2 - 40)))" python3 adapt/collect.py --endpoint http://127.0.0.1:8011/v1 --model smol \
-    --out $W/traces --workloads swe,tool,office --levels low,high --episodes ${3:-24} --concurrency ${4:-24} \
+    --out $W/traces --workloads swe,tool,office --levels ${LEVELS:-low,high} --episodes ${3:-24} --concurrency ${4:-24} \
     --executor local --max-turns 4 --max-tokens 256 2>&1 | grep -v "Loading weights" | tail -n 30 || true
   kill $srv || true
   tail -n 5 $W/server.log
