@@ -17,8 +17,13 @@
 # Collecting the traces there instead (the agents against `dspine serve` on the GPU; this 2-core machine manages
 # about one episode a minute): after 1 and 2, a call carrying .carry/agentwhl (the serving and agent packages as
 # py3.12 wheels: fastapi, uvicorn, pydantic, litellm, openai + httpx2, mini-swe-agent, python-docx, openpyxl and
-# their needs; the machine has no Ray, so episodes run in local worker processes) runs
+# their needs; the machine has no Ray, so episodes run in local worker processes; made here, where pip reaches a
+# registry, by `bash bench/experiments/adapt_gpu.sh agentwheels`, ~45 MB) runs
 #   bash bench/experiments/adapt_gpu.sh wheels
+# With the shipped drafter and the office tasks moved out of the working tree (they and a target half exceed the 64 MiB
+# a call carries), step 1 is instead a call carrying copies of them in .carry/drafter and .carry/office:
+#   mkdir -p /tmp/builtin && cp .carry/drafter/* /tmp/builtin/ && cp -r .carry/office /tmp/office
+# and the `collect` call begins with `cp -r /tmp/office workloads/data/office`.
 # then one carrying .carry/m2 and .carry/whl:
 #   bash bench/experiments/adapt_gpu.sh collect S [EPISODES] [CONCURRENCY]     swe, tool, office × LEVELS (default low,high); traces to $OUT
 # and `run` finds them in /tmp/adapt/traces (step 3 is then skipped).
@@ -36,6 +41,24 @@ left() { echo $(( $1 - ($(date +%s) - t0) )); }
 W=/tmp/adapt
 mkdir -p $W
 case "$1" in
+agentwheels)  # here: the serving and agent stack as py3.12 wheels, less what the GPU image has, to .carry/agentwhl
+  dl=${AGENTWHL_CACHE:-$HOME/.cache/dspine-agentwhl}
+  mkdir -p "$dl" && python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$dl" "fastapi>=0.110" \
+    "uvicorn>=0.29" "litellm==1.108.7" "mini-swe-agent>=2.4,<3" "python-docx>=1.1" "openpyxl>=3.1" || exit 1
+  # on the image (its package list: the device README's KINDS.md), or not imported on this path
+  have=" aiohappyeyeballs aiohttp aiosignal annotated_doc anyio attrs certifi charset_normalizer click filelock frozenlist
+    fsspec h11 hf_xet httpcore httpx huggingface_hub idna jinja2 lxml markdown_it_py markupsafe mdurl multidict numpy
+    packaging pandas prometheus_client propcache pyarrow pygments python_dateutil pyyaml regex requests rich shellingham
+    six tiktoken tokenizers tqdm typer typing_extensions urllib3 xxhash yarl zipp boto3 botocore s3transfer jmespath
+    datasets dill multiprocess "
+  rm -rf .carry/agentwhl && mkdir -p .carry/agentwhl
+  for f in "$dl"/*.whl; do
+    n=$(basename "$f" | sed 's/-[0-9].*//' | tr 'A-Z-' 'a-z_')
+    echo "$have" | tr -s ' \n' '  ' | grep -q " $n " || cp "$f" .carry/agentwhl/
+  done
+  du -sh .carry/agentwhl ;;
 drafter)
   mkdir -p /tmp/builtin && cp drafters/smollm2-135m-instruct/dspine/{config.json,model.safetensors} /tmp/builtin/
   sha256sum /tmp/builtin/model.safetensors ;;
