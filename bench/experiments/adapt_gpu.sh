@@ -42,22 +42,18 @@ W=/tmp/adapt
 mkdir -p $W
 case "$1" in
 agentwheels)  # here: the serving and agent stack as py3.12 wheels, less what the GPU image has, to .carry/agentwhl
+  . bench/experiments/py312_wheels.sh
   dl=${AGENTWHL_CACHE:-$HOME/.cache/dspine-agentwhl}
-  mkdir -p "$dl" && python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$dl" "fastapi>=0.110" \
-    "uvicorn>=0.29" "litellm==1.108.7" "mini-swe-agent>=2.4,<3" "python-docx>=1.1" "openpyxl>=3.1" || exit 1
+  wheels_download "$dl" "fastapi>=0.110" "uvicorn>=0.29" "litellm==1.108.7" "mini-swe-agent>=2.4,<3" \
+    "python-docx>=1.1" "openpyxl>=3.1" || exit 1
   # on the image (its package list: the device README's KINDS.md), or not imported on this path
-  have=" aiohappyeyeballs aiohttp aiosignal annotated_doc anyio attrs certifi charset_normalizer click filelock frozenlist
+  have="aiohappyeyeballs aiohttp aiosignal annotated_doc anyio attrs certifi charset_normalizer click filelock frozenlist
     fsspec h11 hf_xet httpcore httpx huggingface_hub idna jinja2 lxml markdown_it_py markupsafe mdurl multidict numpy
     packaging pandas prometheus_client propcache pyarrow pygments python_dateutil pyyaml regex requests rich shellingham
     six tiktoken tokenizers tqdm typer typing_extensions urllib3 xxhash yarl zipp boto3 botocore s3transfer jmespath
-    datasets dill multiprocess "
+    datasets dill multiprocess"
   rm -rf .carry/agentwhl && mkdir -p .carry/agentwhl
-  for f in "$dl"/*.whl; do
-    n=$(basename "$f" | sed 's/-[0-9].*//' | tr 'A-Z-' 'a-z_')
-    echo "$have" | tr -s ' \n' '  ' | grep -q " $n " || cp "$f" .carry/agentwhl/
-  done
+  wheels_copy_except .carry/agentwhl "$have" "$dl"/*.whl
   du -sh .carry/agentwhl ;;
 drafter)
   mkdir -p /tmp/builtin && cp drafters/smollm2-135m-instruct/dspine/{config.json,model.safetensors} /tmp/builtin/

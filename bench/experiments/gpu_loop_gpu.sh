@@ -24,12 +24,10 @@ W=/tmp/gpuloop
 GGUF=/tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf
 case "${1:-}" in
 wheels)
-  py=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
-    --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
-    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 --platform any)
+  . bench/experiments/py312_wheels.sh
   dl=${GPULOOP_CACHE:-$HOME/.cache/dspine-gpuloop}
-  mkdir -p "$dl" && python3 -m pip download -q "${py[@]}" -d "$dl" "ray[default,train]==2.60.0" \
-    "litellm[proxy]==1.108.7" "mini-swe-agent>=2.4,<3" python-docx openpyxl prometheus-client || exit 1
+  wheels_download "$dl" "ray[default,train]==2.60.0" "litellm[proxy]==1.108.7" "mini-swe-agent>=2.4,<3" python-docx \
+    openpyxl prometheus-client || exit 1
   # on the image (torch's and transformers' needs) or in SGLang's carried set, or not imported on this path
   have="numpy pyarrow tokenizers huggingface_hub hf_xet tqdm regex filelock fsspec jinja2 markupsafe packaging pyyaml
     typing_extensions sympy httpx httpcore h11 anyio certifi idna sniffio tiktoken"
@@ -37,12 +35,9 @@ wheels)
   skip="polars polars_runtime_32 datasets boto3 botocore s3transfer jmespath azure_core azure_identity azure_storage_blob
     msal msal_extensions isodate granian psycopg psycopg_binary textual py_spy virtualenv distlib python_discovery
     soundfile"
-  sgl=$(ls .carry/sgl*/ | grep whl | sed 's/-[0-9].*//' | tr 'A-Z-' 'a-z_')
+  sgl=$(wheel_names $(ls .carry/sgl*/*.whl 2> /dev/null))
   rm -rf .carry/gwA .carry/gwB .carry/gwC "$S-sel" && mkdir -p .carry/gwA .carry/gwB .carry/gwC "$S-sel"
-  for f in "$dl"/*.whl; do
-    n=$(basename "$f" | sed 's/-[0-9].*//' | tr 'A-Z-' 'a-z_')
-    echo " $have $skip $sgl " | tr -s ' \n' '  ' | grep -q " $n " || cp "$f" "$S-sel/"
-  done
+  wheels_copy_except "$S-sel" "$have $skip $sgl" "$dl"/*.whl
   r=$(ls "$S-sel"/ray-*.whl) && zip -q -d "$r" 'ray/jars/*' 'ray/dashboard/client/build/static/js/*.map'
   python3 - "$S-sel" <<'PY'
 import glob, os, shutil, sys
